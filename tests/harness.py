@@ -1,0 +1,70 @@
+"""Run a function on N ranks of a gloo process group, from inside a test.
+
+Cheaper than a whole-script launch (no torchrun agent) and it hands back what each rank returned,
+so a test can compare every replica. The rendezvous is a file:// store in a temporary folder: no
+port at all. Every worker is killed if the group outlives its timeout.
+"""
+import multiprocessing
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def _worker(fn: Callable, rank: int, world_size: int, folder: str, timeout: float, args: tuple) -> None:
+    sys.stdout = open(os.path.join(folder, f"stdout{rank}.txt"), "w", buffering=1)  # noqa: SIM115
+    sys.stderr = open(os.path.join(folder, f"stderr{rank}.txt"), "w", buffering=1)  # noqa: SIM115
+    torch.set_num_threads(1)  # N workers share the machine's cores
+    dist.init_process_group(
+        "gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=timeout),
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(folder, f"result{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _read(folder: str, name: str) -> str:
+    path = Path(folder, name)
+    return path.read_text() if path.exists() else ""
+
+
+def spawn(fn: Callable, world_size: int, *args, timeout: float = 60) -> tuple[list, list[str]]:
+    """Run fn(rank, world_size, *args) on every rank; return (results, stdouts), both by rank.
+
+    fn must be importable by name (a module-level function), as multiprocessing's spawn requires.
+    """
+    context = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as folder:
+        procs = [
+            context.Process(target=_worker, args=(fn, rank, world_size, folder, timeout, args))
+            for rank in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout
+        try:
+            for proc in procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+        finally:
+            hung = [proc for proc in procs if proc.is_alive()]
+            for proc in hung:
+                proc.kill()
+                proc.join()
+        stdouts = [_read(folder, f"stdout{rank}.txt") for rank in range(world_size)]
+        failed = [rank for rank, proc in enumerate(procs) if proc.exitcode != 0]
+        if hung or failed:
+            stderrs = "\n".join(
+                f"--- rank {rank} stderr\n{_read(folder, f'stderr{rank}.txt')}" for rank in failed
+            )
+            raise AssertionError(f"ranks {failed} failed (hung: {len(hung)})\n{stderrs}")
+        results = [torch.load(Path(folder, f"result{rank}.pt"), weights_only=True) for rank in range(world_size)]
+    return results, stdouts
