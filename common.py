@@ -73,6 +73,21 @@ def check_world_size(world_size: int, args: argparse.Namespace) -> None:
         die(f"{world_size} ranks but only {args.train_size} training samples: every rank needs at least one")
 
 
+def check_gpus(procs_on_node: int, flag: str, cpu_script: str) -> None:
+    """Fail fast, in one line, where nccl would otherwise fail late and obscurely: no CUDA at all,
+    or more processes on this node than GPUs (two processes cannot share a GPU under nccl)."""
+    quiet = int(os.environ.get("LOCAL_RANK", 0)) != 0  # the same line from every process says nothing more
+    if not torch.cuda.is_available():
+        if quiet:
+            sys.exit(2)
+        die(f"no CUDA GPU is visible (this torch is {torch.__version__}); on CPUs run {cpu_script} instead")
+    gpus = torch.cuda.device_count()
+    if procs_on_node > gpus:
+        if quiet:
+            sys.exit(2)
+        die(f"{procs_on_node} processes on this node but {gpus} GPUs: use {flag} {gpus} or fewer, one per GPU")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now. Asking the OS for port 0 avoids a hard-coded
     port that a second job on the same host would already hold (EADDRINUSE)."""

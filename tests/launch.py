@@ -1,8 +1,10 @@
 """Run the scripts as a user would, with a hard timeout and no process left behind."""
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -25,9 +27,24 @@ def run(cmd: list[str] | str, timeout: float = 120, env: dict | None = None, cwd
         _kill_session(proc.pid)
         out, err = proc.communicate()
         raise AssertionError(f"timed out after {timeout}s: {cmd}\n--- stdout\n{out}\n--- stderr\n{err}") from None
-    leftover = _kill_session(proc.pid)
+    leftover = _survivors(proc.pid, grace=5.0)
+    _kill_session(proc.pid)
     assert not leftover, f"{cmd} left processes behind"
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _survivors(pgid: int, grace: float) -> bool:
+    """True if a process of the group is still alive `grace` seconds after its leader exited
+    (multiprocessing's resource tracker, for one, takes a moment to notice and exit)."""
+    deadline = time.monotonic() + grace
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.05)
 
 
 def _kill_session(pgid: int) -> bool:
@@ -52,3 +69,15 @@ def check(result: subprocess.CompletedProcess) -> str:
     """The run's stdout, after asserting that it exited 0 (showing its output if not)."""
     assert result.returncode == 0, f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
     return result.stdout
+
+
+EPOCH_LINE = re.compile(r"^epoch (\d+) \| train_loss:([\d.]+) val_loss:([\d.]+)$", re.MULTILINE)
+DONE_LINE = re.compile(r"^done \| val_loss:([\d.]+) floor:([\d.]+)", re.MULTILINE)
+
+
+def epoch_losses(stdout: str) -> dict[int, tuple[float, float]]:
+    """{epoch: (train_loss, val_loss)} from a training script's output; no epoch may appear twice."""
+    rows = [(int(e), float(t), float(v)) for e, t, v in EPOCH_LINE.findall(stdout)]
+    epochs = [e for e, _, _ in rows]
+    assert len(epochs) == len(set(epochs)), f"an epoch ran twice: {epochs}"
+    return {e: (t, v) for e, t, v in rows}

@@ -1,0 +1,181 @@
+"""Data-parallel training on one machine's GPUs: torchrun starts one process per GPU, nccl connects them.
+
+The same training as singlenode_cpu.py; what changes is the device. Each process binds the GPU
+named by its LOCAL_RANK before it joins the process group, DDP gets device_ids=[local_rank],
+batches are copied from pinned memory without blocking, and the forward pass can run in bf16,
+or in fp16 with a GradScaler.
+
+    torchrun --standalone --nproc-per-node 2 singlenode_gpu.py
+    torchrun --standalone --nproc-per-node 8 singlenode_gpu.py --precision bf16
+
+SyncBatchNorm (torch.nn.SyncBatchNorm.convert_sync_batchnorm) belongs here, not on CPUs: it only
+runs on GPU modules. These models have no batch norm.
+"""
+import argparse
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Subset
+from torch.utils.data.distributed import DistributedSampler
+
+import common
+from data import LOSS_FLOOR, make_datasets
+from model import build_model
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common.add_training_args(parser)
+    parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32",
+                        help="forward-pass precision: bf16 autocast, or fp16 autocast with a GradScaler")
+    return parser.parse_args()
+
+
+def make_loaders(args: argparse.Namespace, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
+    train_set, val_set = make_datasets(args.train_size, args.val_size)
+    # Each rank draws a disjoint 1/world_size of a shuffled epoch. When the size is not divisible,
+    # the sampler repeats a few samples so that every rank runs the same number of steps: a rank
+    # with an extra step would wait forever in that step's all-reduce.
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    # Pinned (page-locked) host memory lets the copy to the GPU run without blocking.
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, pin_memory=True)
+    # Validation needs no equal steps (no gradients to all-reduce), so take a strided shard with no
+    # padding: each validation sample is counted exactly once.
+    val_shard = Subset(val_set, range(rank, len(val_set), world_size))
+    val_loader = DataLoader(val_shard, batch_size=args.batch_size, pin_memory=True)
+    return train_loader, val_loader
+
+
+def train_one_epoch(model: DDP, loader: DataLoader, optimizer: torch.optim.Optimizer, device: torch.device,
+                    dtype: torch.dtype, scaler: torch.amp.GradScaler):
+    """Train on this rank's shard; return (sum of loss × samples, samples) for this rank."""
+    model.train()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    samples = 0
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+            loss = F.mse_loss(model(x).float(), y)  # the loss itself in fp32
+        # fp16 gradients can underflow to 0: the scaler multiplies the loss up and the gradients
+        # back down, and skips a step whose gradients overflowed. A no-op unless enabled.
+        scaler.scale(loss).backward()  # DDP all-reduces (averages) the gradients here, bucket by bucket
+        scaler.step(optimizer)
+        scaler.update()
+        loss_sum += loss.detach() * len(y)  # stays on the device: no sync per step
+        samples += len(y)
+    return loss_sum, samples
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader: DataLoader, device: torch.device, dtype: torch.dtype):
+    """Return (sum of squared errors, samples) over this rank's validation shard."""
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    samples = 0
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+            loss_sum += F.mse_loss(model(x).float(), y, reduction="sum")
+        samples += len(y)
+    return loss_sum, samples
+
+
+def epoch_means(train_totals: tuple, val_totals: tuple, device: torch.device) -> tuple[float, float]:
+    """Exact means over every sample of every rank. Each rank's own number covers only its shard,
+    so one all_reduce of the sums and counts is needed; it runs on every rank, never behind a
+    rank guard, or the ranks that skip it leave the others waiting."""
+    totals = torch.tensor([*train_totals, *val_totals], dtype=torch.float64, device=device)
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    train_loss_sum, train_samples, val_loss_sum, val_samples = totals.tolist()
+    return train_loss_sum / train_samples, val_loss_sum / val_samples
+
+
+def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int, device: torch.device):
+    train_loader, val_loader = make_loaders(args, rank, world_size)
+    common.print_line(
+        f"[rank {rank}/{world_size}] device {device} | batch_size {args.batch_size} | "
+        f"steps per epoch {len(train_loader)}"
+    )
+    # The same seed on every rank gives every replica the same initial weights. (DDP also
+    # broadcasts rank 0's weights when it wraps the model, but the optimizer must not differ.)
+    torch.manual_seed(args.seed)
+    model = build_model(args.model).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    dtype = PRECISIONS[args.precision]
+    scaler = torch.amp.GradScaler("cuda", enabled=args.precision == "fp16")
+
+    start_epoch = 0
+    # map_location: without it every rank loads the tensors onto the device they were saved from.
+    checkpoint = common.load_checkpoint(args.checkpoint, map_location=device) if args.checkpoint else None
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        if "scaler" in checkpoint:
+            scaler.load_state_dict(checkpoint["scaler"])
+        start_epoch = checkpoint["epoch"]  # the next epoch to run: none is repeated
+        if rank == 0:
+            print(f"resuming from {args.checkpoint}: {start_epoch} of {args.max_epochs} epochs done", flush=True)
+
+    # device_ids: this process's one GPU, named by its local rank (the global rank breaks on node 2).
+    model = DDP(model, device_ids=[local_rank])
+
+    for epoch in range(start_epoch, args.max_epochs):
+        # Reseeds the shuffle with the epoch; without it every epoch sees the same order.
+        train_loader.sampler.set_epoch(epoch)
+        train_totals = train_one_epoch(model, train_loader, optimizer, device, dtype, scaler)
+        # Evaluate the plain module: ranks may hold different numbers of validation batches, and a
+        # forward through the DDP wrapper may wait for the other ranks.
+        val_totals = evaluate(model.module, val_loader, device, dtype)
+        train_loss, val_loss = epoch_means(train_totals, val_totals, device)
+        if rank == 0:
+            print(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}", flush=True)
+            if args.checkpoint:
+                # Global rank 0 alone writes: one writer, not one per node. .module unwraps DDP so
+                # the keys carry no "module." prefix and load into a plain model.
+                state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1,
+                         "scaler": scaler.state_dict()}
+                common.save_checkpoint(state, args.checkpoint)
+        # No barrier after the save: no other rank reads the file during the run.
+
+    if rank == 0:
+        if start_epoch >= args.max_epochs:
+            print(f"{args.checkpoint} already holds {start_epoch} epochs: nothing to train. "
+                  "Raise --max_epochs or delete the file.", flush=True)
+        else:
+            print(f"done | val_loss:{val_loss:.6f} floor:{LOSS_FLOOR:.6f} ({val_loss / LOSS_FLOOR:.3f} × floor)",
+                  flush=True)
+    return model.module
+
+
+def main() -> None:
+    args = parse_args()
+    if "LOCAL_RANK" not in os.environ:
+        common.die("start this script with torchrun, e.g. torchrun --standalone --nproc-per-node 2 singlenode_gpu.py")
+    # torchrun sets these for every process it starts.
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    common.check_world_size(world_size, args)
+    common.check_gpus(int(os.environ["LOCAL_WORLD_SIZE"]), "--nproc-per-node", "singlenode_cpu.py")
+
+    device = torch.device("cuda", local_rank)
+    # Before init_process_group: nccl binds each process to the current device, and without this
+    # every process would pile onto GPU 0.
+    torch.cuda.set_device(device)
+    # env:// (the default) reads MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE from torchrun.
+    dist.init_process_group("nccl", timeout=timedelta(seconds=args.timeout))
+    try:
+        train(args, rank, local_rank, world_size, device)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""The README's commands and sample output are the ones that work."""
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+from launch import DONE_LINE, EPOCH_LINE, REPO, check, epoch_losses, run
+
+README = (REPO / "README.md").read_text()
+SCRIPTS = ["singlenode_cpu", "singlenode_gpu", "mp_spawn", "start_with_torchrun"]
+
+
+def quick_start() -> list[str]:
+    section = README.split("## Quick start", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1)
+    return block.strip().splitlines()
+
+
+def test_quick_start_is_two_commands_and_ci_runs_the_second():
+    setup_and_train, setup_and_test = quick_start()
+    assert "--nproc-per-node 8 singlenode_cpu.py" in setup_and_train
+    ci_lines = (REPO / ".ci" / "run").read_text().splitlines()
+    assert setup_and_test in ci_lines
+
+
+@pytest.mark.skipif(Path(sys.prefix) != REPO / ".venv", reason="runs the setup as written only inside the repo's .venv")
+def test_quick_start_trains_within_ten_percent_of_the_floor():
+    stdout = check(run(quick_start()[0], shell=True, timeout=240))
+    assert sorted(epoch_losses(stdout)) == list(range(10))
+    val_loss, floor = map(float, DONE_LINE.search(stdout).groups())
+    assert val_loss <= 1.1 * floor
+    # The README's sample output is this run's output, line for line.
+    sample = README.split("$ torchrun --standalone --nproc-per-node 8 singlenode_cpu.py", 1)[1].split("```")[0]
+    for pattern in (EPOCH_LINE, DONE_LINE):
+        lines = [m.group(0) for m in pattern.finditer(sample)]
+        assert lines and lines == [m.group(0) for m in pattern.finditer(stdout)]
+
+
+def readme_commands() -> list[list[str]]:
+    """Every command line in the README that runs one of the training scripts."""
+    commands = []
+    for line in re.findall(r"(?:\$ |`)((?:torchrun|python) [^`\n]*)", README):
+        words = shlex.split(line.split("  #")[0])
+        script = next((w for w in words if w.removesuffix(".py") in SCRIPTS), None)
+        if script:
+            commands.append(words[words.index(script):])
+    return commands
+
+
+@pytest.mark.parametrize("command", readme_commands(), ids=" ".join)
+def test_every_readme_command_names_a_script_and_options_it_accepts(command, monkeypatch):
+    script, *argv = command
+    module = __import__(script.removesuffix(".py"))
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    module.parse_args()  # argparse exits with status 2 on an unknown option

@@ -1,0 +1,119 @@
+"""The training loop: DDP over N ranks equals one process with an N-times larger batch."""
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from harness import spawn
+from launch import REPO, epoch_losses
+from reference import sampler_order, train_reference
+from workers import train_script
+
+import singlenode_cpu
+
+# Small and awkward on purpose: 301 samples split unevenly over 2, 3 and 4 ranks (the sampler
+# pads), 7 per batch leaves a short last batch, 50 validation samples shard unevenly.
+ARGV = ["--max_epochs", "3", "--batch_size", "7", "--train_size", "301", "--val_size", "50", "--lr", "0.01"]
+WORLD_SIZES = [1, 2, 3, 4]
+
+
+def parse(argv: list[str]):
+    sys_argv, sys.argv = sys.argv, ["singlenode_cpu.py", *argv]
+    try:
+        return singlenode_cpu.parse_args()
+    finally:
+        sys.argv = sys_argv
+
+
+@pytest.fixture(scope="module")
+def ddp_runs() -> dict[int, tuple[list[dict], list[str]]]:
+    """{world_size: (every rank's final weights, every rank's stdout)}."""
+    return {n: spawn(train_script, n, "singlenode_cpu", ARGV, timeout=90) for n in WORLD_SIZES}
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_ddp_equals_single_process_with_the_global_batch(ddp_runs, world_size):
+    weights, _ = ddp_runs[world_size]
+    expected, _ = train_reference(parse(ARGV), world_size)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(weights[0][name], tensor, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_every_rank_ends_with_identical_weights(ddp_runs, world_size):
+    weights, _ = ddp_runs[world_size]
+    for rank in range(1, world_size):
+        for name, tensor in weights[0].items():
+            assert torch.equal(weights[rank][name], tensor), f"rank {rank} differs in {name}"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_printed_losses_equal_a_single_process_recomputation(ddp_runs, world_size):
+    _, stdouts = ddp_runs[world_size]
+    _, expected = train_reference(parse(ARGV), world_size)
+    printed = epoch_losses(stdouts[0])
+    assert sorted(printed) == list(range(3))
+    for epoch, (train_loss, val_loss) in enumerate(expected):
+        assert printed[epoch] == pytest.approx((train_loss, val_loss), abs=2e-6)
+    assert all(epoch_losses(out) == {} for out in stdouts[1:]), "only rank 0 prints losses"
+    # Every rank announces itself once, naming its rank and device.
+    for rank, out in enumerate(stdouts):
+        assert f"[rank {rank}/{world_size}] device cpu" in out
+
+
+def test_sampler_shards_cover_the_data_and_reshuffle_each_epoch():
+    args = parse(["--train_size", "301"])
+    world_size = 3
+    loaders = [singlenode_cpu.make_loaders(args, rank, world_size)[0] for rank in range(world_size)]
+    orders = []
+    for epoch in range(2):
+        shards = []
+        for loader in loaders:
+            loader.sampler.set_epoch(epoch)
+            shards.append(list(loader.sampler))
+        assert {len(shard) for shard in shards} == {101}  # 301 padded to 303: equal steps on every rank
+        assert set().union(*shards) == set(range(301))
+        assert shards == sampler_order(301, world_size, args.seed, epoch)
+        orders.append(shards)
+    assert orders[0] != orders[1]
+
+
+def test_validation_counts_each_sample_once():
+    args = parse(["--val_size", "50"])
+    seen = [i for rank in range(4) for i in singlenode_cpu.make_loaders(args, rank, 4)[1].dataset.indices]
+    assert sorted(seen) == list(range(50))
+
+
+def test_resume_continues_exactly_and_runs_no_epoch_twice(ddp_runs, tmp_path):
+    """Stop after epoch 0, start again with the same --checkpoint: the same weights as the
+    uninterrupted 3-epoch run, and every epoch printed exactly once across the two runs."""
+    checkpoint = str(tmp_path / "ckpt.pt")
+    first_argv = [*ARGV, "--checkpoint", checkpoint]
+    first_argv[first_argv.index("--max_epochs") + 1] = "1"
+    _, first = spawn(train_script, 2, "singlenode_cpu", first_argv, timeout=90)
+    saved = torch.load(checkpoint, weights_only=True)
+    assert saved["epoch"] == 1  # the next epoch to run, not the one just finished
+    weights, second = spawn(train_script, 2, "singlenode_cpu", [*ARGV, "--checkpoint", checkpoint], timeout=90)
+    assert "resuming from" in second[0] and "1 of 3 epochs done" in second[0]
+    assert sorted(epoch_losses(first[0])) == [0]
+    assert sorted(epoch_losses(second[0])) == [1, 2]
+    uninterrupted, _ = ddp_runs[2]
+    for name, tensor in uninterrupted[0].items():
+        assert torch.equal(weights[0][name], tensor), name
+    assert torch.load(checkpoint, weights_only=True)["epoch"] == 3
+
+
+def _functions(path: Path) -> dict[str, str]:
+    """Each top-level function's code, without docstrings or comments (ast drops comments)."""
+    tree = ast.parse(path.read_text())
+    return {node.name: ast.dump(node) for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+
+@pytest.mark.parametrize("script", ["mp_spawn.py", "start_with_torchrun.py"])
+def test_the_training_code_is_the_same_in_every_cpu_script(script):
+    """The scripts differ only in how they launch: the training functions are copies, kept identical."""
+    flagship = _functions(REPO / "singlenode_cpu.py")
+    other = _functions(REPO / script)
+    for name in ["make_loaders", "train_one_epoch", "evaluate", "epoch_means", "train"]:
+        assert other[name] == flagship[name], f"{script}: {name} differs from singlenode_cpu.py"
