@@ -5,9 +5,12 @@ Argument checks, a free port, and checkpoint files written atomically. Every dis
 reader can see it.
 """
 import argparse
+import errno
 import os
+import pickle
 import socket
 import sys
+import zipfile
 from typing import NoReturn
 
 import torch
@@ -16,10 +19,10 @@ import data
 from model import MODELS
 
 
-def die(message: str) -> NoReturn:
-    """One clear line on stderr and exit code 2, the code argparse uses for bad input."""
+def die(message: str, code: int = 2) -> NoReturn:
+    """One clear line on stderr and a non-zero exit: 2 by default, the code argparse uses for bad input."""
     print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    sys.exit(code)
 
 
 def print_line(text: str) -> None:
@@ -68,6 +71,18 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def reject_old_launcher_flag(parser: argparse.ArgumentParser) -> None:
+    """python -m torch.distributed.launch without --use-env appends --local-rank=N to the arguments.
+    Say what to do about it, rather than argparse's bare "unrecognized arguments"."""
+
+    class Reject(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            parser.error(f"{option_string} is what python -m torch.distributed.launch passes without --use-env; "
+                         "start this script with torchrun, or add --use-env (it reads LOCAL_RANK from the environment)")
+
+    parser.add_argument("--local-rank", "--local_rank", action=Reject, help=argparse.SUPPRESS)
+
+
 def check_world_size(world_size: int, args: argparse.Namespace) -> None:
     if world_size > args.train_size:
         die(f"{world_size} ranks but only {args.train_size} training samples: every rank needs at least one")
@@ -88,36 +103,97 @@ def check_gpus(procs_on_node: int, flag: str, cpu_script: str) -> None:
         die(f"{procs_on_node} processes on this node but {gpus} GPUs: use {flag} {gpus} or fewer, one per GPU")
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now. Asking the OS for port 0 avoids a hard-coded
-    port that a second job on the same host would already hold (EADDRINUSE)."""
+def pick_port(port: int) -> int:
+    """`port` if it is free on 127.0.0.1, or for 0 a free one the system picks; one line that
+    names the port if another program holds it."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            die(f"port {port} on 127.0.0.1 is already in use: pass --port 0 to let the system pick a free one, "
+                "or name another")
         return sock.getsockname()[1]
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now."""
+    return pick_port(0)
+
+
+# Settings that a resumed run must share with the run that wrote the checkpoint: with any other
+# value it would silently become a different experiment. The world size may change (an elastic
+# job can restart with fewer nodes); that only earns a warning.
+RESUME_MUST_MATCH = ("model", "train_size", "batch_size", "lr", "seed")
+
+
+def run_config(args: argparse.Namespace, world_size: int) -> dict:
+    """What a checkpoint records about the run that wrote it (plain types: weights_only can read them)."""
+    return {name: getattr(args, name) for name in RESUME_MUST_MATCH} | {"world_size": world_size}
+
+
 def save_checkpoint(state: dict, path: str) -> None:
-    """Write to a temporary file, fsync it, then rename over `path`: a crash mid-write leaves the
+    """Write to a temporary file, fsync it, then rename it over `path`: a crash mid-write leaves the
     previous checkpoint whole, never a torn file."""
     tmp_path = f"{path}.tmp"
     with open(tmp_path, "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp_path, path)
+    os.replace(tmp_path, path)  # atomic on POSIX: readers see the old file or the new one
 
 
-def load_checkpoint(path: str, map_location: torch.device) -> dict | None:
-    """The checkpoint at `path`, or None if there is none. A file that exists but cannot be used
-    stops the run with one line: silently starting from scratch would throw away the training."""
+def open_checkpoint(path: str, rank: int, map_location: torch.device, config: dict,
+                    model: torch.nn.Module) -> dict | None:
+    """Check that checkpoints can be written at `path`, and return the one there, if any.
+
+    A missing file means a fresh start. A file that exists but cannot be used stops the run with
+    one line and is left as it is: silently starting from scratch would throw the training away.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        die(f"cannot write checkpoint {path}: {folder} is not a directory")
+    if not os.access(folder, os.W_OK):
+        die(f"cannot write checkpoint {path}: {folder} is not writable")
+    if rank == 0 and os.path.exists(f"{path}.tmp"):
+        os.remove(f"{path}.tmp")  # the torn remains of a write that crashed; `path` itself is whole
+        print(f"removed {path}.tmp, left by a checkpoint write that did not finish", flush=True)
     if not os.path.exists(path):
         return None
-    try:
-        # weights_only=True: unpickling arbitrary objects from a file can run arbitrary code.
-        checkpoint = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as exc:  # torch raises many types for a bad file; all mean "unusable"
-        die(f"cannot read checkpoint {path}: {str(exc).splitlines()[0]}")
-    missing = {"model", "optimizer", "epoch"} - set(checkpoint if isinstance(checkpoint, dict) else ())
+
+    checkpoint = _read(path, map_location)
+    missing = {"model", "optimizer", "epoch", "config"} - set(checkpoint if isinstance(checkpoint, dict) else ())
     if missing:
-        die(f"{path} is not a checkpoint of these scripts (missing {', '.join(sorted(missing))})")
+        die(f"{path} is not a checkpoint of these scripts: it lacks {', '.join(sorted(missing))}")
+    for name in RESUME_MUST_MATCH:
+        saved, now = checkpoint["config"].get(name), config[name]
+        if saved != now:
+            die(f"{path} was written with --{name} {saved}, this run has --{name} {now}: "
+                f"use the same value, or another --checkpoint path to start afresh")
+    expected = {key: tuple(t.shape) for key, t in model.state_dict().items()}
+    saved_shapes = {key: tuple(t.shape) for key, t in checkpoint["model"].items()}
+    if saved_shapes != expected:
+        die(f"{path} holds weights of another model: its parameters do not match --model {config['model']}")
+    saved_world = checkpoint["config"]["world_size"]
+    if rank == 0 and saved_world != config["world_size"]:
+        print(f"warning: {path} was written by {saved_world} ranks and this run has {config['world_size']}: "
+              f"the global batch changes from {saved_world * config['batch_size']} to "
+              f"{config['world_size'] * config['batch_size']} samples, so the result will differ from an "
+              "uninterrupted run", flush=True)
     return checkpoint
+
+
+def _read(path: str, map_location: torch.device) -> dict:
+    """torch.load with weights_only=True, each failure told in one line."""
+    if not zipfile.is_zipfile(path):
+        die(f"cannot read checkpoint {path}: not a file written by torch.save (truncated, or another format)")
+    try:
+        # weights_only=True: a pickle can name any Python function to call while it loads, so a
+        # crafted file would run code. This loader accepts tensors and plain containers only.
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError:
+        die(f"refusing to load {path}: it holds Python objects other than tensors and plain types, "
+            "and unpickling them could run code")
+    except Exception as exc:  # a damaged archive fails in many ways; every one means unusable
+        die(f"cannot read checkpoint {path}: {str(exc).splitlines()[0]}")

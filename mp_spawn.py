@@ -37,6 +37,8 @@ def parse_args() -> argparse.Namespace:
     common.add_training_args(parser)
     parser.add_argument("--nprocs", type=common.positive_int, default=default_nprocs(),
                         help="processes to start (default: GPUs if any, else CPU cores up to 4)")
+    parser.add_argument("--port", type=int, default=0,
+                        help="port on 127.0.0.1 for the processes to meet at (default 0: a free one)")
     return parser.parse_args()
 
 
@@ -106,14 +108,17 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 
     start_epoch = 0
-    # map_location: without it every rank loads the tensors onto the device they were saved from.
-    checkpoint = common.load_checkpoint(args.checkpoint, map_location=device) if args.checkpoint else None
-    if checkpoint is not None:
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        start_epoch = checkpoint["epoch"]  # the next epoch to run: none is repeated
-        if rank == 0:
-            print(f"resuming from {args.checkpoint}: {start_epoch} of {args.max_epochs} epochs done", flush=True)
+    if args.checkpoint:
+        # map_location: without it every rank loads the tensors onto the device they were saved from.
+        checkpoint = common.open_checkpoint(args.checkpoint, rank, device, common.run_config(args, world_size), model)
+        if checkpoint is not None:
+            model.load_state_dict(checkpoint["model"])
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            start_epoch = checkpoint["epoch"]  # the next epoch to run: none is repeated
+            if rank == 0:
+                print(f"resuming from {args.checkpoint}: {start_epoch} of {args.max_epochs} epochs done", flush=True)
+    # The shuffle is the run's only randomness after the weights are drawn, and DistributedSampler
+    # derives it from seed + epoch, so no random-number state needs saving. (Dropout would change that.)
 
     # On a GPU this would be DDP(model, device_ids=[local_rank]); on CPUs device_ids stays None.
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
@@ -127,12 +132,14 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
         val_totals = evaluate(model.module, val_loader, device)
         train_loss, val_loss = epoch_means(train_totals, val_totals, device)
         if rank == 0:
-            print(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}", flush=True)
             if args.checkpoint:
                 # Global rank 0 alone writes: one writer, not one per node. .module unwraps DDP so
                 # the keys carry no "module." prefix and load into a plain model.
-                state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1}
+                state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                         "epoch": epoch + 1, "config": common.run_config(args, world_size)}
                 common.save_checkpoint(state, args.checkpoint)
+            # Printed once the epoch is saved: after a crash and restart, no epoch shows up twice.
+            print(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}", flush=True)
         # No barrier after the save: no other rank reads the file during the run.
 
     if rank == 0:
@@ -157,10 +164,10 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
         # starts one thread per core and they fight over the cores.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         backend = "gloo"
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=args.timeout),
-    )
+    # tcp://: rank 0 opens the rendezvous store on this port and the others connect to it.
+    # 127.0.0.1, not localhost, which may resolve to the IPv6 address first.
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout))
     try:
         train(args, rank, rank, world_size, device)
     finally:
@@ -172,11 +179,17 @@ def main() -> None:
     common.check_world_size(args.nprocs, args)
     if torch.cuda.is_available():
         common.check_gpus(args.nprocs, "--nprocs", "mp_spawn.py")
-    # Chosen at run time: a hard-coded port collides with any other job on this host.
-    port = common.free_port()
-    # join=True waits for every process. If one raises, spawn stops the others and re-raises that
-    # process's error here, so the run exits non-zero with it.
-    mp.spawn(worker, args=(args.nprocs, port, args), nprocs=args.nprocs, join=True)
+    # A port picked now, unless --port names one: a hard-coded port collides with the next job on
+    # this host. (Checked free here, so that a taken port is one clear line, not a worker's traceback.)
+    port = common.pick_port(args.port)
+    # join=True waits for every process. If one fails, spawn stops the others and raises here: a
+    # Python error comes back with the worker's own traceback; a worker that died otherwise (a
+    # signal, or an exit after printing its own error) gets one line.
+    try:
+        mp.spawn(worker, args=(args.nprocs, port, args), nprocs=args.nprocs, join=True)
+    except mp.ProcessExitedException as exc:
+        how = f"was killed by signal {exc.signal_name}" if exc.signal_name else f"exited with code {exc.exit_code}"
+        common.die(f"rank {exc.error_index} {how}; mp.spawn stopped the other processes", code=1)
 
 
 if __name__ == "__main__":

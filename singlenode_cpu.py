@@ -29,6 +29,7 @@ from model import build_model
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_training_args(parser)
+    common.reject_old_launcher_flag(parser)
     return parser.parse_args()
 
 
@@ -98,14 +99,17 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 
     start_epoch = 0
-    # map_location: without it every rank loads the tensors onto the device they were saved from.
-    checkpoint = common.load_checkpoint(args.checkpoint, map_location=device) if args.checkpoint else None
-    if checkpoint is not None:
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        start_epoch = checkpoint["epoch"]  # the next epoch to run: none is repeated
-        if rank == 0:
-            print(f"resuming from {args.checkpoint}: {start_epoch} of {args.max_epochs} epochs done", flush=True)
+    if args.checkpoint:
+        # map_location: without it every rank loads the tensors onto the device they were saved from.
+        checkpoint = common.open_checkpoint(args.checkpoint, rank, device, common.run_config(args, world_size), model)
+        if checkpoint is not None:
+            model.load_state_dict(checkpoint["model"])
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            start_epoch = checkpoint["epoch"]  # the next epoch to run: none is repeated
+            if rank == 0:
+                print(f"resuming from {args.checkpoint}: {start_epoch} of {args.max_epochs} epochs done", flush=True)
+    # The shuffle is the run's only randomness after the weights are drawn, and DistributedSampler
+    # derives it from seed + epoch, so no random-number state needs saving. (Dropout would change that.)
 
     # On a GPU this would be DDP(model, device_ids=[local_rank]); on CPUs device_ids stays None.
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
@@ -119,12 +123,14 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
         val_totals = evaluate(model.module, val_loader, device)
         train_loss, val_loss = epoch_means(train_totals, val_totals, device)
         if rank == 0:
-            print(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}", flush=True)
             if args.checkpoint:
                 # Global rank 0 alone writes: one writer, not one per node. .module unwraps DDP so
                 # the keys carry no "module." prefix and load into a plain model.
-                state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1}
+                state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                         "epoch": epoch + 1, "config": common.run_config(args, world_size)}
                 common.save_checkpoint(state, args.checkpoint)
+            # Printed once the epoch is saved: after a crash and restart, no epoch shows up twice.
+            print(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}", flush=True)
         # No barrier after the save: no other rank reads the file during the run.
 
     if rank == 0:

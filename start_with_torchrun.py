@@ -100,14 +100,17 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 
     start_epoch = 0
-    # map_location: without it every rank loads the tensors onto the device they were saved from.
-    checkpoint = common.load_checkpoint(args.checkpoint, map_location=device) if args.checkpoint else None
-    if checkpoint is not None:
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        start_epoch = checkpoint["epoch"]  # the next epoch to run: none is repeated
-        if rank == 0:
-            print(f"resuming from {args.checkpoint}: {start_epoch} of {args.max_epochs} epochs done", flush=True)
+    if args.checkpoint:
+        # map_location: without it every rank loads the tensors onto the device they were saved from.
+        checkpoint = common.open_checkpoint(args.checkpoint, rank, device, common.run_config(args, world_size), model)
+        if checkpoint is not None:
+            model.load_state_dict(checkpoint["model"])
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            start_epoch = checkpoint["epoch"]  # the next epoch to run: none is repeated
+            if rank == 0:
+                print(f"resuming from {args.checkpoint}: {start_epoch} of {args.max_epochs} epochs done", flush=True)
+    # The shuffle is the run's only randomness after the weights are drawn, and DistributedSampler
+    # derives it from seed + epoch, so no random-number state needs saving. (Dropout would change that.)
 
     # On a GPU this would be DDP(model, device_ids=[local_rank]); on CPUs device_ids stays None.
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
@@ -121,12 +124,14 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
         val_totals = evaluate(model.module, val_loader, device)
         train_loss, val_loss = epoch_means(train_totals, val_totals, device)
         if rank == 0:
-            print(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}", flush=True)
             if args.checkpoint:
                 # Global rank 0 alone writes: one writer, not one per node. .module unwraps DDP so
                 # the keys carry no "module." prefix and load into a plain model.
-                state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1}
+                state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                         "epoch": epoch + 1, "config": common.run_config(args, world_size)}
                 common.save_checkpoint(state, args.checkpoint)
+            # Printed once the epoch is saved: after a crash and restart, no epoch shows up twice.
+            print(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}", flush=True)
         # No barrier after the save: no other rank reads the file during the run.
 
     if rank == 0:
@@ -146,12 +151,12 @@ def main() -> None:
         rank = int(os.environ["RANK"])
         local_rank = int(os.environ["LOCAL_RANK"])
         world_size = int(os.environ["WORLD_SIZE"])
-        init_method = "env://"
+        store = None  # env://: the launcher's MASTER_ADDR and MASTER_PORT
     else:
         print("no launcher: training as a single process. For N processes: "
               "torchrun --standalone --nproc-per-node N start_with_torchrun.py", flush=True)
         rank, local_rank, world_size = 0, 0, 1
-        init_method = f"tcp://127.0.0.1:{common.free_port()}"
+        store = dist.HashStore()  # a world of one needs no network: an in-memory store will do
     common.check_world_size(world_size, args)
 
     if torch.cuda.is_available():
@@ -162,10 +167,8 @@ def main() -> None:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-    dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=args.timeout),
-    )
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout))
     try:
         train(args, rank, local_rank, world_size, device)
     finally:
