@@ -1,51 +1,223 @@
 """Bad input: one clear line on stderr, a non-zero exit, within seconds, and nothing lost."""
+import contextlib
+import importlib
+import io
+import socket
+import sys
+
 import pytest
 import torch
-from launch import python, torchrun
+from launch import REPO, python, run, torchrun
 
-CHECKPOINT = "{tmp}/ckpt.pt"  # holds garbage in every case; it must survive every one unchanged
+import common
+from model import build_model
 
-CASES = {
-    # name: (launcher, arguments, exit code, text of the one error line)
-    "torchrun-only script started with python": (
-        "python", ["singlenode_cpu.py"], 2,
-        "error: start this script with torchrun, e.g. torchrun --standalone --nproc-per-node 8 singlenode_cpu.py"),
-    "GPU script started with python": (
-        "python", ["singlenode_gpu.py"], 2, "error: start this script with torchrun"),
-    "zero batch size": (
-        "python", ["start_with_torchrun.py", "--batch_size", "0"], 2,
-        "error: argument --batch_size: must be a positive integer, got 0"),
-    "negative epochs": (
-        "python", ["mp_spawn.py", "--max_epochs", "-3"], 2,
-        "error: argument --max_epochs: must be a positive integer, got -3"),
-    "learning rate not a number": (
-        "python", ["singlenode_cpu.py", "--lr", "fast"], 2, "error: argument --lr: 'fast' is not a number"),
-    "more ranks than training samples": (
-        "python", ["mp_spawn.py", "--nprocs", "3", "--train_size", "2"], 2,
-        "error: 3 ranks but only 2 training samples: every rank needs at least one"),
-    "checkpoint that is not a checkpoint": (
-        "python", ["start_with_torchrun.py", "--checkpoint", CHECKPOINT], 2,
-        f"error: cannot read checkpoint {CHECKPOINT}:"),
-    "GPU script without CUDA": (
-        "torchrun", ["singlenode_gpu.py"], 1,
-        "error: no CUDA GPU is visible (this torch is"),
+SMALL = ["--max_epochs", "1", "--train_size", "64", "--val_size", "16"]
+LONGER = ["--max_epochs", "2", "--train_size", "64", "--val_size", "16"]
+
+
+class RunsCode:
+    """Unpickling this opens (creates) a file: proof that loading it ran code."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.fixture(scope="module")
+def good_checkpoint(tmp_path_factory) -> dict:
+    """A real checkpoint, written by a one-epoch single-process run."""
+    path = tmp_path_factory.mktemp("good") / "ckpt.pt"
+    result = python("start_with_torchrun.py", *SMALL, "--checkpoint", str(path))
+    assert result.returncode == 0, result.stderr
+    return torch.load(path, weights_only=True)
+
+
+def run_main(script: str, *argv: str) -> tuple[int, str, str]:
+    """Run script.main() in this process, as `python script.py argv` would, and return (exit code,
+    stdout, stderr). Much cheaper than a new process; the cases that need one start one."""
+    module = importlib.import_module(script.removesuffix(".py"))
+    saved_argv, sys.argv = sys.argv, [script, *argv]
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            module.main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    finally:
+        sys.argv = saved_argv
+    return code, out.getvalue(), err.getvalue()
+
+
+def write(path, state) -> None:
+    torch.save(state, path)
+
+
+def truncated(path, good) -> None:
+    write(path, good)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def edited(**config):
+    def prepare(path, good):
+        write(path, {**good, "config": {**good["config"], **config}})
+    return prepare
+
+
+CHECKPOINTS = {
+    # name: (how to make ckpt.pt, extra arguments, text of the one error line)
+    "not a checkpoint at all": (
+        lambda path, good: path.write_bytes(b"not a checkpoint"), [],
+        "error: cannot read checkpoint {path}: not a file written by torch.save (truncated, or another format)"),
+    "truncated": (
+        truncated, [],
+        "error: cannot read checkpoint {path}: not a file written by torch.save (truncated, or another format)"),
+    "another program's file": (
+        lambda path, good: write(path, {"weights": torch.ones(3)}), [],
+        "error: {path} is not a checkpoint of these scripts: it lacks config, epoch, model, optimizer"),
+    "another model's weights": (
+        lambda path, good: write(path, {**good, "model": build_model("linear").state_dict()}), [],
+        "error: {path} holds weights of another model: its parameters do not match --model mlp"),
+    "written with another --model": (
+        edited(model="linear"), [],
+        "error: {path} was written with --model linear, this run has --model mlp: use the same value, "
+        "or another --checkpoint path to start afresh"),
+    "written with another --batch_size": (
+        lambda path, good: write(path, good), ["--batch_size", "16"],
+        "error: {path} was written with --batch_size 32, this run has --batch_size 16"),
+    "crafted to run code when unpickled": (
+        lambda path, good: write(path, {**good, "epoch": RunsCode(str(path.parent / "ran-code"))}), [],
+        "error: refusing to load {path}: it holds Python objects other than tensors and plain types, "
+        "and unpickling them could run code"),
 }
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_bad_input_fails_with_one_clear_line(name, tmp_path):
-    launcher, args, code, message = CASES[name]
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_an_unusable_checkpoint_stops_the_run_and_is_left_as_it_was(name, good_checkpoint, tmp_path):
+    prepare, extra, message = CHECKPOINTS[name]
+    path = tmp_path / "ckpt.pt"
+    prepare(path, good_checkpoint)
+    before = path.read_bytes()
+    code, _, stderr = run_main("start_with_torchrun.py", *SMALL, *extra, "--checkpoint", str(path))
+    assert code == 2
+    assert stderr.strip().startswith(message.format(path=path)) and len(stderr.strip().splitlines()) == 1
+    assert path.read_bytes() == before  # not overwritten, not deleted
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]  # and nothing ran or was written
+
+
+def test_a_checkpoint_from_another_world_size_resumes_with_a_warning(good_checkpoint, tmp_path):
+    path = tmp_path / "ckpt.pt"
+    edited(world_size=2)(path, good_checkpoint)
+    code, stdout, stderr = run_main("start_with_torchrun.py", *LONGER, "--checkpoint", str(path))
+    assert code == 0, stderr
+    assert (f"warning: {path} was written by 2 ranks and this run has 1: the global batch changes "
+            "from 64 to 32 samples") in stdout
+    assert "resuming from" in stdout and "epoch 1 |" in stdout
+
+
+def test_a_leftover_temporary_file_is_removed_and_the_checkpoint_used(good_checkpoint, tmp_path):
+    path = tmp_path / "ckpt.pt"
+    write(path, good_checkpoint)
+    (tmp_path / "ckpt.pt.tmp").write_bytes(b"half a checkpo")
+    code, stdout, stderr = run_main("start_with_torchrun.py", *LONGER, "--checkpoint", str(path))
+    assert code == 0, stderr
+    assert f"removed {path}.tmp, left by a checkpoint write that did not finish" in stdout
+    assert "resuming from" in stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
+
+
+# Whole processes, where the launch itself is what is tested.
+LAUNCHED = {
+    # name: (command, exit code, text of the one error line)
+    "torchrun-only script started with python": (
+        lambda: python("singlenode_cpu.py"), 2,
+        "error: start this script with torchrun, e.g. torchrun --standalone --nproc-per-node 8 singlenode_cpu.py"),
+    "the old launcher without --use-env": (
+        lambda: run([sys.executable, "-m", "torch.distributed.launch", "--standalone", "--nproc-per-node", "1",
+                     "singlenode_cpu.py"]), 1,
+        "error: --local-rank is what python -m torch.distributed.launch passes without --use-env; "
+        "start this script with torchrun, or add --use-env"),
+    "GPU script without CUDA": (
+        lambda: torchrun(2, "singlenode_gpu.py"), 1, "error: no CUDA GPU is visible (this torch is"),
+}
+
+
+@pytest.mark.parametrize("name", LAUNCHED)
+def test_a_wrong_launch_fails_with_one_clear_line(name):
+    command, code, message = LAUNCHED[name]
     if name == "GPU script without CUDA" and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    checkpoint = tmp_path / "ckpt.pt"
-    checkpoint.write_bytes(b"not a checkpoint")
-    args = [arg.format(tmp=tmp_path) for arg in args]
-    result = torchrun(2, *args, timeout=60) if launcher == "torchrun" else python(*args, timeout=30)
+    result = command()
     assert result.returncode == code, result.stderr
     error_lines = [line for line in result.stderr.splitlines() if "error:" in line]
     assert len(error_lines) == 1, result.stderr
-    assert message.format(tmp=tmp_path) in error_lines[0]
-    if launcher == "python":  # torchrun adds its own report of the failed worker
-        assert "Traceback" not in result.stderr
-    assert checkpoint.read_bytes() == b"not a checkpoint"
-    assert list(tmp_path.iterdir()) == [checkpoint]  # nothing half-written beside it
+    assert message in error_lines[0]
+    if result.args[1] == "singlenode_cpu.py":
+        assert "Traceback" not in result.stderr  # (torchrun adds its own report of a failed worker)
+
+
+# In this process: the same code paths, without paying for a new one each time.
+IN_PROCESS = {
+    # name: (script and arguments, text of the one error line)
+    "GPU script started with python": (["singlenode_gpu.py"], "error: start this script with torchrun"),
+    "zero batch size": (
+        ["start_with_torchrun.py", "--batch_size", "0"],
+        "error: argument --batch_size: must be a positive integer, got 0"),
+    "negative epochs": (
+        ["mp_spawn.py", "--max_epochs", "-3"], "error: argument --max_epochs: must be a positive integer, got -3"),
+    "learning rate not a number": (
+        ["singlenode_cpu.py", "--lr", "fast"], "error: argument --lr: 'fast' is not a number"),
+    "more ranks than training samples": (
+        ["mp_spawn.py", "--nprocs", "3", "--train_size", "2"],
+        "error: 3 ranks but only 2 training samples: every rank needs at least one"),
+    "checkpoint folder that does not exist": (
+        ["start_with_torchrun.py", *SMALL, "--checkpoint", "{tmp}/missing/ckpt.pt"],
+        "error: cannot write checkpoint {tmp}/missing/ckpt.pt: {tmp}/missing is not a directory"),
+    "the old launcher's --local-rank": (
+        ["singlenode_cpu.py", "--local-rank=0"],
+        "error: --local-rank is what python -m torch.distributed.launch passes without --use-env"),
+}
+
+
+@pytest.mark.parametrize("name", IN_PROCESS)
+def test_bad_input_fails_with_one_clear_line(name, tmp_path, monkeypatch):
+    argv, message = IN_PROCESS[name]
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    code, _, stderr = run_main(*[arg.format(tmp=tmp_path) for arg in argv])
+    assert code == 2
+    error_lines = [line for line in stderr.splitlines() if "error:" in line]  # argparse adds its usage
+    assert len(error_lines) == 1 and message.format(tmp=tmp_path) in error_lines[0]
+    assert list(tmp_path.iterdir()) == []  # nothing half-written
+
+
+def test_a_port_in_use_is_named_with_how_to_pick_another():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, _, stderr = run_main("mp_spawn.py", "--nprocs", "2", "--port", str(port))
+    assert code == 2
+    assert stderr.strip() == (f"error: port {port} on 127.0.0.1 is already in use: "
+                                     "pass --port 0 to let the system pick a free one, or name another")
+
+
+def test_more_processes_than_gpus_is_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        common.check_gpus(2, "--nproc-per-node", "singlenode_cpu.py")
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: 2 processes on this node but 1 GPUs: use --nproc-per-node 1 or fewer, one per GPU\n")
+
+
+def test_no_script_loads_a_checkpoint_without_weights_only():
+    for path in REPO.glob("*.py"):
+        for line in path.read_text().splitlines():
+            if "torch.load(" in line:
+                assert "weights_only=True" in line, f"{path.name}: {line.strip()}"

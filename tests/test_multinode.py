@@ -1,0 +1,129 @@
+"""Two hosts on one machine: Linux network namespaces joined by a veth pair, each running a
+torchrun agent with 2 workers, gloo between them over the veth. Without root (no namespaces),
+the same two agents share 127.0.0.1 instead."""
+import os
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+
+import pytest
+import torch
+from harness import spawn
+from launch import TORCHRUN, Group, epoch_losses
+from workers import train_script
+
+import common
+
+ARGV = ["--batch_size", "7", "--train_size", "301", "--val_size", "50", "--timeout", "10"]
+
+
+class TwoHosts:
+    """Two places to run a torchrun agent, and a way to make one of them vanish."""
+
+    def __init__(self) -> None:
+        tag = uuid.uuid4().hex[:6]
+        self.names = [f"ddp{tag}a", f"ddp{tag}b"]
+        self.links = [f"v{tag}a", f"v{tag}b"]
+        # A private range that exists only inside the two namespaces.
+        self.addresses = ["10.213.7.1", "10.213.7.2"]
+        self.netns = os.geteuid() == 0 and shutil.which("ip") is not None and self._create()
+        if not self.netns:
+            self.addresses = ["127.0.0.1", "127.0.0.1"]
+
+    def _create(self) -> bool:
+        a, b = self.names
+        steps = [
+            ["ip", "netns", "add", a], ["ip", "netns", "add", b],
+            ["ip", "link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1]],
+            ["ip", "link", "set", self.links[0], "netns", a], ["ip", "link", "set", self.links[1], "netns", b],
+            ["ip", "-n", a, "addr", "add", "10.213.7.1/24", "dev", self.links[0]],
+            ["ip", "-n", b, "addr", "add", "10.213.7.2/24", "dev", self.links[1]],
+            ["ip", "-n", a, "link", "set", "lo", "up"], ["ip", "-n", b, "link", "set", "lo", "up"],
+            ["ip", "-n", a, "link", "set", self.links[0], "up"], ["ip", "-n", b, "link", "set", self.links[1], "up"],
+        ]
+        for step in steps:
+            if subprocess.run(step, capture_output=True).returncode != 0:
+                self.destroy()
+                return False
+        return True
+
+    def command(self, host: int, argv: list[str]) -> list[str]:
+        if not self.netns:
+            return argv
+        # gloo would otherwise pick the interface that the machine's hostname resolves to.
+        return ["ip", "netns", "exec", self.names[host], "env", f"GLOO_SOCKET_IFNAME={self.links[host]}", *argv]
+
+    def vanish(self, host: int, group: Group) -> None:
+        """Host `host` drops off the network and every process on it dies."""
+        if self.netns:
+            # Link down first, so that no connection reset reaches the other host: it can only notice
+            # the loss when its --timeout runs out, as when a real machine loses power.
+            subprocess.run(["ip", "-n", self.names[host], "link", "set", self.links[host], "down"], check=True)
+            pids = subprocess.run(["ip", "netns", "pids", self.names[host]], capture_output=True, text=True).stdout
+            for pid in pids.split():
+                os.kill(int(pid), signal.SIGKILL)
+        else:
+            from launch import kill_tree
+            kill_tree(group.procs[host].pid)
+
+    def destroy(self) -> None:
+        for name in self.names:
+            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout
+            for pid in pids.split():
+                os.kill(int(pid), signal.SIGKILL)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@pytest.fixture
+def hosts():
+    two = TwoHosts()
+    yield two
+    if two.netns:
+        two.destroy()
+
+
+def test_two_hosts_train_the_same_weights_as_one_host_with_four_workers(hosts, tmp_path):
+    if not hosts.netns:
+        print("no network namespaces here (needs root and iproute2): both agents on 127.0.0.1")
+    checkpoint = tmp_path / "ckpt.pt"  # a folder both hosts see, as a shared file system would be
+    port = common.free_port()
+    group = Group(tmp_path)
+    for host in range(2):
+        group.start(hosts.command(host, [
+            TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.addresses[0]}:{port}", "--rdzv-id", "test-job",
+            # The namespaces share one hostname, so say which agent hosts the rendezvous store and
+            # which address each one is reachable at (real machines work these out themselves).
+            "--rdzv-conf", f"is_host={int(host == 0)}", "--local-addr", hosts.addresses[host],
+            "singlenode_cpu.py", *ARGV, "--max_epochs", "2", "--checkpoint", str(checkpoint),
+        ]))
+    codes = group.wait(timeout=120)
+    assert codes == [0, 0], group.stderr(0) + group.stderr(1)
+    printed = {**epoch_losses(group.stdout(0)), **epoch_losses(group.stdout(1))}
+    assert sorted(printed) == [0, 1]
+    one_host, _ = spawn(train_script, 4, "singlenode_cpu", [*ARGV, "--max_epochs", "2"], timeout=90)
+    saved = torch.load(checkpoint, weights_only=True)["model"]
+    for name, tensor in one_host[0].items():
+        assert torch.equal(saved[name], tensor), name
+
+
+def test_losing_a_host_stops_the_other_within_the_timeout(hosts, tmp_path):
+    port = common.free_port()
+    group = Group(tmp_path)
+    for host in range(2):
+        group.start(hosts.command(host, [
+            TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(host),
+            "--master-addr", hosts.addresses[0], "--master-port", str(port),
+            "singlenode_cpu.py", *ARGV, "--max_epochs", "1000",
+        ]))
+    group.wait_for(0, "epoch 0 |", timeout=90)  # global rank 0 runs on node 0
+    hosts.vanish(1, group)
+    lost = time.monotonic()
+    group.procs[0].wait(timeout=10 + 30)
+    assert group.procs[0].returncode != 0
+    assert time.monotonic() - lost < 10 + 15  # --timeout, plus the agent's shutdown of its workers
+    stderr = group.stderr(0)
+    assert "Timed out" in stderr or "Connection reset by peer" in stderr or "Connection closed by peer" in stderr
+    group.wait(timeout=10)  # nothing of either host is left running
