@@ -7,8 +7,11 @@ loss over the whole epoch, summed across all ranks, and the floor that the task 
 
     torchrun --standalone --nproc-per-node 8 singlenode_cpu.py
     torchrun --standalone --nproc-per-node 4 singlenode_cpu.py --max_epochs 5 --checkpoint ckpt.pt
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 4 --max-restarts 3 \
+        singlenode_cpu.py --checkpoint ckpt.pt       # a dead worker costs at most one epoch
 
---standalone makes torchrun pick a free port on this host instead of its default 29500.
+--standalone makes torchrun pick a free port on this host instead of its default 29500. The
+README explains the restart command, and how to run on several nodes.
 """
 import argparse
 import os

@@ -40,12 +40,24 @@ def test_quick_start_trains_within_ten_percent_of_the_floor():
 def readme_commands() -> list[list[str]]:
     """Every command line in the README that runs one of the training scripts."""
     commands = []
-    for line in re.findall(r"(?:\$ |`)((?:torchrun|python) [^`\n]*)", README):
+    for line in re.findall(r"(?:^|\$ |`)(?:[A-Z_]+=\S+ )*((?:torchrun|python) [^`\n]*)", README, re.MULTILINE):
         words = shlex.split(line.split("  #")[0])
         script = next((w for w in words if w.removesuffix(".py") in SCRIPTS), None)
         if script:
             commands.append(words[words.index(script):])
     return commands
+
+
+def sbatch_command() -> list[str]:
+    text = (REPO / "multinode.sbatch").read_text()
+    return shlex.split(text.split("singlenode_gpu.py", 1)[1].splitlines()[0].replace('"$PWD/ckpt.pt"', "ckpt.pt"))
+
+
+def test_the_slurm_script_is_valid_bash_and_passes_options_the_script_accepts(monkeypatch):
+    assert run(["bash", "-n", str(REPO / "multinode.sbatch")]).returncode == 0
+    monkeypatch.setattr(sys, "argv", ["singlenode_gpu.py", *sbatch_command()])
+    args = __import__("singlenode_gpu").parse_args()
+    assert args.checkpoint == "ckpt.pt"
 
 
 @pytest.mark.parametrize("command", readme_commands(), ids=" ".join)
