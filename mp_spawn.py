@@ -9,6 +9,7 @@ and nccl; without, CPU processes and gloo.
     python mp_spawn.py --nprocs 4 --checkpoint ckpt.pt
 """
 import argparse
+import gc
 import os
 from datetime import timedelta
 
@@ -172,6 +173,9 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
         train(args, rank, rank, world_size, device)
     finally:
         dist.destroy_process_group()
+        # The DDP wrapper sits in a reference cycle that holds the process group. Collected now,
+        # not at interpreter shutdown, where gloo's threads can abort the process (SIGABRT).
+        gc.collect()
 
 
 def main() -> None:

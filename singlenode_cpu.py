@@ -14,6 +14,7 @@ loss over the whole epoch, summed across all ranks, and the floor that the task 
 README explains the restart command, and how to run on several nodes.
 """
 import argparse
+import gc
 import os
 from datetime import timedelta
 
@@ -163,6 +164,9 @@ def main() -> None:
         train(args, rank, local_rank, world_size, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
+        # The DDP wrapper sits in a reference cycle that holds the process group. Collected now,
+        # not at interpreter shutdown, where gloo's threads can abort the process (SIGABRT).
+        gc.collect()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ SyncBatchNorm (torch.nn.SyncBatchNorm.convert_sync_batchnorm) belongs here, not 
 runs on GPU modules. These models have no batch norm.
 """
 import argparse
+import gc
 import os
 from datetime import timedelta
 
@@ -181,6 +182,9 @@ def main() -> None:
         train(args, rank, local_rank, world_size, device)
     finally:
         dist.destroy_process_group()
+        # The DDP wrapper sits in a reference cycle that holds the process group. Collected now,
+        # not at interpreter shutdown, where gloo's threads can abort the process (SIGABRT).
+        gc.collect()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ to the arguments, so the parser accepts it (and --local_rank, its spelling befor
 With CUDA, one process per GPU and nccl; without, CPU processes and gloo.
 """
 import argparse
+import gc
 import os
 from datetime import timedelta
 
@@ -173,6 +174,9 @@ def main() -> None:
         train(args, rank, local_rank, world_size, device)
     finally:
         dist.destroy_process_group()
+        # The DDP wrapper sits in a reference cycle that holds the process group. Collected now,
+        # not at interpreter shutdown, where gloo's threads can abort the process (SIGABRT).
+        gc.collect()
 
 
 if __name__ == "__main__":
