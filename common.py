@@ -103,23 +103,26 @@ def check_gpus(procs_on_node: int, flag: str, cpu_script: str) -> None:
         die(f"{procs_on_node} processes on this node but {gpus} GPUs: use {flag} {gpus} or fewer, one per GPU")
 
 
-def pick_port(port: int) -> int:
-    """`port` if it is free on 127.0.0.1, or for 0 a free one the system picks; one line that
-    names the port if another program holds it."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError as exc:
-            if exc.errno != errno.EADDRINUSE:
-                raise
-            die(f"port {port} on 127.0.0.1 is already in use: pass --port 0 to let the system pick a free one, "
-                "or name another")
-        return sock.getsockname()[1]
+def listen_on_loopback(port: int) -> socket.socket:
+    """A listening socket on 127.0.0.1:`port` (0: a free port that the system picks), or one line
+    that names the port if another program holds it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        die(f"port {port} on 127.0.0.1 is already in use: pass --port 0 to let the system pick a free one, "
+            "or name another")
+    sock.listen()
+    return sock
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now."""
-    return pick_port(0)
+    """A TCP port on 127.0.0.1 that is free now (it may be taken again before it is used)."""
+    with listen_on_loopback(0) as sock:
+        return sock.getsockname()[1]
 
 
 # Settings that a resumed run must share with the run that wrote the checkpoint: with any other

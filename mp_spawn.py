@@ -153,7 +153,7 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
     return model.module
 
 
-def worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
+def worker(rank: int, world_size: int, store_port: int, args: argparse.Namespace) -> None:
     """Runs in each spawned process; mp.spawn passes the rank (0..nprocs-1) as the first argument."""
     if torch.cuda.is_available():
         device = torch.device("cuda", rank)  # one node, so the rank is also the local rank
@@ -165,9 +165,10 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
         # starts one thread per core and they fight over the cores.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         backend = "gloo"
-    # tcp://: rank 0 opens the rendezvous store on this port and the others connect to it.
-    # 127.0.0.1, not localhost, which may resolve to the IPv6 address first.
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+    # Join the parent's rendezvous store (127.0.0.1, not localhost, which may resolve to IPv6
+    # first); init_process_group finds the other processes through it.
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=args.timeout))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=args.timeout))
     try:
         train(args, rank, rank, world_size, device)
@@ -183,14 +184,18 @@ def main() -> None:
     common.check_world_size(args.nprocs, args)
     if torch.cuda.is_available():
         common.check_gpus(args.nprocs, "--nprocs", "mp_spawn.py")
-    # A port picked now, unless --port names one: a hard-coded port collides with the next job on
-    # this host. (Checked free here, so that a taken port is one clear line, not a worker's traceback.)
-    port = common.pick_port(args.port)
+    # The rendezvous: a key-value store that the processes meet at, hosted here by the parent. Its
+    # socket is bound to 127.0.0.1, where torch's own tcp:// store would listen on every interface
+    # (it has no authentication), and on a port picked now unless --port names one: a hard-coded
+    # port collides with the next job on this host.
+    listener = common.listen_on_loopback(args.port)
+    store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True,
+                          master_listen_fd=listener.fileno(), wait_for_workers=False)
     # join=True waits for every process. If one fails, spawn stops the others and raises here: a
     # Python error comes back with the worker's own traceback; a worker that died otherwise (a
     # signal, or an exit after printing its own error) gets one line.
     try:
-        mp.spawn(worker, args=(args.nprocs, port, args), nprocs=args.nprocs, join=True)
+        mp.spawn(worker, args=(args.nprocs, store.port, args), nprocs=args.nprocs, join=True)
     except mp.ProcessExitedException as exc:
         how = f"was killed by signal {exc.signal_name}" if exc.signal_name else f"exited with code {exc.exit_code}"
         common.die(f"rank {exc.error_index} {how}; mp.spawn stopped the other processes", code=1)

@@ -221,3 +221,10 @@ def test_no_script_loads_a_checkpoint_without_weights_only():
         for line in path.read_text().splitlines():
             if "torch.load(" in line:
                 assert "weights_only=True" in line, f"{path.name}: {line.strip()}"
+
+
+def test_mp_spawn_rendezvous_listens_on_loopback_only():
+    with common.listen_on_loopback(0) as sock:
+        assert sock.getsockname()[0] == "127.0.0.1"
+        with pytest.raises(SystemExit):
+            common.listen_on_loopback(sock.getsockname()[1])  # taken: one line, exit 2 (shown above)
