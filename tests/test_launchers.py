@@ -3,9 +3,10 @@ import sys
 
 import pytest
 import torch
+from conftest import ARGV
 from launch import check, epoch_losses, python, run, torchrun
 from reference import train_reference
-from test_train import ARGV, parse
+from test_train import parse
 
 LAUNCH = [sys.executable, "-m", "torch.distributed.launch", "--standalone", "--nproc-per-node", "2"]
 LAUNCHES = {

@@ -10,13 +10,12 @@ import uuid
 
 import pytest
 import torch
-from harness import spawn
+from conftest import ARGV
 from launch import TORCHRUN, Group, epoch_losses
-from workers import train_script
 
 import common
 
-ARGV = ["--batch_size", "7", "--train_size", "301", "--val_size", "50", "--timeout", "10"]
+ARGV = [*ARGV, "--timeout", "5"]
 
 
 class TwoHosts:
@@ -84,7 +83,7 @@ def hosts():
         two.destroy()
 
 
-def test_two_hosts_train_the_same_weights_as_one_host_with_four_workers(hosts, tmp_path):
+def test_two_hosts_train_the_same_weights_as_one_host_with_four_workers(hosts, ddp_runs, tmp_path):
     if not hosts.netns:
         print("no network namespaces here (needs root and iproute2): both agents on 127.0.0.1")
     checkpoint = tmp_path / "ckpt.pt"  # a folder both hosts see, as a shared file system would be
@@ -97,13 +96,13 @@ def test_two_hosts_train_the_same_weights_as_one_host_with_four_workers(hosts, t
             # The namespaces share one hostname, so say which agent hosts the rendezvous store and
             # which address each one is reachable at (real machines work these out themselves).
             "--rdzv-conf", f"is_host={int(host == 0)}", "--local-addr", hosts.addresses[host],
-            "singlenode_cpu.py", *ARGV, "--max_epochs", "2", "--checkpoint", str(checkpoint),
+            "singlenode_cpu.py", *ARGV, "--checkpoint", str(checkpoint),
         ]))
     codes = group.wait(timeout=120)
     assert codes == [0, 0], group.stderr(0) + group.stderr(1)
     printed = {**epoch_losses(group.stdout(0)), **epoch_losses(group.stdout(1))}
-    assert sorted(printed) == [0, 1]
-    one_host, _ = spawn(train_script, 4, "singlenode_cpu", [*ARGV, "--max_epochs", "2"], timeout=90)
+    assert sorted(printed) == [0, 1, 2]
+    one_host, _ = ddp_runs[4]
     saved = torch.load(checkpoint, weights_only=True)["model"]
     for name, tensor in one_host[0].items():
         assert torch.equal(saved[name], tensor), name
@@ -121,9 +120,9 @@ def test_losing_a_host_stops_the_other_within_the_timeout(hosts, tmp_path):
     group.wait_for(0, "epoch 0 |", timeout=90)  # global rank 0 runs on node 0
     hosts.vanish(1, group)
     lost = time.monotonic()
-    group.procs[0].wait(timeout=10 + 30)
+    group.procs[0].wait(timeout=5 + 30)
     assert group.procs[0].returncode != 0
-    assert time.monotonic() - lost < 10 + 15  # --timeout, plus the agent's shutdown of its workers
+    assert time.monotonic() - lost < 5 + 15  # --timeout, plus the agent's shutdown of its workers
     stderr = group.stderr(0)
     assert "Timed out" in stderr or "Connection reset by peer" in stderr or "Connection closed by peer" in stderr
     group.wait(timeout=10)  # nothing of either host is left running

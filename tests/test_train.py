@@ -5,17 +5,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ARGV, WORLD_SIZES
 from harness import spawn
 from launch import REPO, epoch_losses
 from reference import sampler_order, train_reference
 from workers import train_script
 
 import singlenode_cpu
-
-# Small and awkward on purpose: 301 samples split unevenly over 2, 3 and 4 ranks (the sampler
-# pads), 7 per batch leaves a short last batch, 50 validation samples shard unevenly.
-ARGV = ["--max_epochs", "3", "--batch_size", "7", "--train_size", "301", "--val_size", "50", "--lr", "0.01"]
-WORLD_SIZES = [1, 2, 3, 4]
 
 
 def parse(argv: list[str]):
@@ -24,12 +20,6 @@ def parse(argv: list[str]):
         return singlenode_cpu.parse_args()
     finally:
         sys.argv = sys_argv
-
-
-@pytest.fixture(scope="module")
-def ddp_runs() -> dict[int, tuple[list[dict], list[str]]]:
-    """{world_size: (every rank's final weights, every rank's stdout)}."""
-    return {n: spawn(train_script, n, "singlenode_cpu", ARGV, timeout=90) for n in WORLD_SIZES}
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

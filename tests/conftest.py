@@ -1,0 +1,16 @@
+"""What several test files share: one set of small DDP runs, made once per session."""
+import pytest
+from harness import spawn
+from workers import train_script
+
+# Small and awkward on purpose: 301 samples split unevenly over 2, 3 and 4 ranks (the sampler
+# pads), 7 per batch leaves a short last batch, 50 validation samples shard unevenly.
+ARGV = ["--max_epochs", "3", "--batch_size", "7", "--train_size", "301", "--val_size", "50", "--lr", "0.01"]
+WORLD_SIZES = [1, 2, 3, 4]
+
+
+@pytest.fixture(scope="session")
+def ddp_runs() -> dict[int, tuple[list[dict], list[str]]]:
+    """{world_size: (every rank's final weights, every rank's stdout)} for singlenode_cpu's train()
+    with ARGV, each world size in a process group of its own."""
+    return {n: spawn(train_script, n, "singlenode_cpu", ARGV, timeout=90) for n in WORLD_SIZES}
