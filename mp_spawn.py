@@ -103,7 +103,7 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
         f"steps per epoch {len(train_loader)}"
     )
     # The same seed on every rank gives every replica the same initial weights. (DDP also
-    # broadcasts rank 0's weights when it wraps the model, but the optimizer must not differ.)
+    # broadcasts rank 0's weights when it wraps the model: a second line of defence.)
     torch.manual_seed(args.seed)
     model = build_model(args.model).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)

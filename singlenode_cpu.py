@@ -3,7 +3,7 @@
 The flagship lesson. Each process holds a full replica of the model and trains on its own shard
 of every epoch (DistributedSampler); DistributedDataParallel averages the gradients across
 processes during backward, so every replica takes the same optimizer step. Rank 0 prints the
-loss over the whole epoch, summed across all ranks, and the floor that the task allows.
+mean loss over every sample of every rank, and the floor that the task allows.
 
     torchrun --standalone --nproc-per-node 8 singlenode_cpu.py
     torchrun --standalone --nproc-per-node 4 singlenode_cpu.py --max_epochs 5 --checkpoint ckpt.pt
@@ -97,7 +97,7 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
         f"steps per epoch {len(train_loader)}"
     )
     # The same seed on every rank gives every replica the same initial weights. (DDP also
-    # broadcasts rank 0's weights when it wraps the model, but the optimizer must not differ.)
+    # broadcasts rank 0's weights when it wraps the model: a second line of defence.)
     torch.manual_seed(args.seed)
     model = build_model(args.model).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)

@@ -95,7 +95,7 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
         f"steps per epoch {len(train_loader)}"
     )
     # The same seed on every rank gives every replica the same initial weights. (DDP also
-    # broadcasts rank 0's weights when it wraps the model, but the optimizer must not differ.)
+    # broadcasts rank 0's weights when it wraps the model: a second line of defence.)
     torch.manual_seed(args.seed)
     model = build_model(args.model).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -161,6 +161,7 @@ def main() -> None:
     common.check_world_size(world_size, args)
 
     if torch.cuda.is_available():
+        common.check_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), "--nproc-per-node", "singlenode_cpu.py")
         # local_rank, not rank: on the second node rank 4 is that node's GPU 0.
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)  # before init_process_group, so nccl binds this GPU
