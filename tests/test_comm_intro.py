@@ -1,0 +1,51 @@
+"""comm_intro.py, run as documented at 1 to 4 processes: every rank receives exactly what it should."""
+import pytest
+from launch import check, python, torchrun
+
+
+def numbers(values) -> str:
+    return "[" + ", ".join(f"{float(v):g}" for v in values) + "]"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_every_rank_receives_what_it_should(world_size):
+    stdout = check(torchrun(world_size, "comm_intro.py", timeout=120))
+    assert "MISMATCH" not in stdout
+    lines = set(stdout.splitlines())
+    n = world_size
+
+    def said(rank: int, text: str) -> None:
+        assert f"[rank {rank}/{n}] {text}" in lines, f"rank {rank} did not print: {text}\n{stdout}"
+
+    for rank in range(n):
+        said(rank, f"all_reduce SUM: before [{rank + 1}], after: {numbers([n * (n + 1) / 2])}  ok")
+        said(rank, f"all_reduce AVG: before [{rank + 1}], after: {numbers([(n + 1) / 2])}  ok")
+        evens = list(range(0, n, 2))
+        if rank % 2 == 0:
+            said(rank, f"all_reduce in new_group {evens} (rank {rank // 2} there): {numbers([sum(evens)])}  ok")
+        else:
+            said(rank, f"new_group {evens}: not a member, so it takes no part in the group's all_reduce")
+        rendezvous = [line for line in lines if line.startswith(f"[rank {rank}/{n}] init_method=")]
+        assert len(rendezvous) == 2, rendezvous
+        assert "init_method=tcp://" in rendezvous[0] + rendezvous[1]
+        assert "init_method=file://" in rendezvous[0] + rendezvous[1]
+        assert all(line.endswith(f"all_reduce of ones: {numbers([n])}  ok") for line in rendezvous)
+    if n == 1:
+        said(0, "send/recv, isend/irecv and the ring need a second rank: skipped")
+    for dst in range(1, n):
+        said(0, f"send to rank {dst}: {numbers([100 + dst] * 3)}")
+        said(dst, f"recv from rank 0: {numbers([100 + dst] * 3)}  ok")
+        said(dst, f"isend to rank 0: {numbers([dst, dst * dst])}")
+        said(0, f"irecv from rank {dst}: {numbers([dst, dst * dst])}  ok")
+    for rank in range(n if n > 1 else 0):
+        prev_rank, next_rank = (rank - 1) % n, (rank + 1) % n
+        said(rank, f"ring: sent {numbers([rank] * 2)} to rank {next_rank}, got from rank {prev_rank}: "
+                   f"{numbers([prev_rank] * 2)}  ok")
+    assert stdout.rstrip().endswith(f"all results match on {n} ranks")
+
+
+def test_plain_python_says_how_to_launch():
+    result = python("comm_intro.py")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "error: start this script with torchrun, e.g. torchrun --standalone --nproc-per-node 4 comm_intro.py")
