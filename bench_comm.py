@@ -215,7 +215,7 @@ def print_table(args: argparse.Namespace, world_size: int, description: str, row
     for row in rows:
         ratio = f"{row['vs_all_reduce']:.3f}" if "vs_all_reduce" in row else ""
         common.print_line(f"  {row['bytes']:>10} {row['count']:>10}  {row['operation']:<16} {row['time_us']:>11.1f} "
-                          f"{row['algbw_GBps']:>12.3f} {row['busbw_GBps']:>12.3f} {row['wrong']:>5}  {ratio}")
+                          f"{row['algbw_GBps']:>12.3f} {row['busbw_GBps']:>12.3f} {row['wrong']:>5}  {ratio}".rstrip())
 
 
 def main() -> None:

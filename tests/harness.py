@@ -28,6 +28,7 @@ def _worker(fn: Callable, rank: int, world_size: int, folder: str, timeout: floa
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(folder, f"result{rank}.pt"))
+        dist.barrier()  # no rank tears its connections down while a peer still uses them
     finally:
         dist.destroy_process_group()
 
