@@ -16,7 +16,6 @@ Started with plain python, it prints how to launch it and exits with status 2.
 """
 import argparse
 import copy
-import importlib
 import math
 import os
 import time
@@ -484,11 +483,6 @@ def main() -> None:
     else:
         device = torch.device("cpu")
 
-    # DDP imports torch._dynamo when it wraps its first model. Imported while a process group exists, dynamo
-    # (torch 2.13) keeps that group alive after destroy_process_group; the group's threads then run on into
-    # interpreter shutdown and can abort it ("terminate called without an active exception"). Imported
-    # before the group is made, it does not.
-    importlib.import_module("torch._dynamo")
     dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
     try:
         failures = 0

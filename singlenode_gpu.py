@@ -12,7 +12,7 @@ SyncBatchNorm (torch.nn.SyncBatchNorm.convert_sync_batchnorm) belongs here, not 
 runs on GPU modules. These models have no batch norm.
 """
 import argparse
-import gc
+import math
 import os
 from datetime import timedelta
 
@@ -56,9 +56,11 @@ def make_loaders(args: argparse.Namespace, rank: int, world_size: int) -> tuple[
 
 def train_one_epoch(model: DDP, loader: DataLoader, optimizer: torch.optim.Optimizer, device: torch.device,
                     dtype: torch.dtype, scaler: torch.amp.GradScaler):
-    """Train on this rank's shard; return (sum of loss × samples, samples) for this rank."""
+    """Train on this rank's shard; return (sum of loss × samples, samples, steps before the first
+    loss that was not finite) for this rank."""
     model.train()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    finite_steps = torch.zeros((), dtype=torch.int64, device=device)
     samples = 0
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -71,8 +73,9 @@ def train_one_epoch(model: DDP, loader: DataLoader, optimizer: torch.optim.Optim
         scaler.step(optimizer)
         scaler.update()
         loss_sum += loss.detach() * len(y)  # stays on the device: no sync per step
+        finite_steps += torch.isfinite(loss_sum)  # a nan or inf loss leaves the sum non-finite for good
         samples += len(y)
-    return loss_sum, samples
+    return loss_sum, samples, finite_steps
 
 
 @torch.no_grad()
@@ -99,6 +102,49 @@ def epoch_means(train_totals: tuple, val_totals: tuple, device: torch.device) ->
     return train_loss_sum / train_samples, val_loss_sum / val_samples
 
 
+def resume(args: argparse.Namespace, rank: int, world_size: int, model: torch.nn.Module,
+           optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, checkpoints: common.Checkpoints,
+           device: torch.device) -> int:
+    """Load the checkpoint, if there is one, on every rank; return the next epoch to run."""
+    # map_location: without it every rank loads the tensors onto the device they were saved from.
+    checkpoint, found = checkpoints.load(device, common.run_config(args, world_size), model)
+    # Each rank read the file for itself, so compare what they found before anything is trained or
+    # saved: a rank on a node that cannot see the file (a node-local path, a stale mount) would start
+    # afresh while rank 0 resumes, and rank 0 would save the mixture. Every rank takes part, and if
+    # any one cannot go on, every one stops with the same line.
+    found_by_rank = [None] * world_size
+    dist.all_gather_object(found_by_rank, found)
+    checkpoints.require_agreement(found_by_rank)
+    if checkpoint is None:
+        return 0
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    if "scaler" in checkpoint:
+        scaler.load_state_dict(checkpoint["scaler"])
+    if rank == 0:
+        print(f"resuming from {args.checkpoint}: {checkpoint['epoch']} of {args.max_epochs} epochs done", flush=True)
+    # The shuffle is the run's only randomness after the weights are drawn, and DistributedSampler
+    # derives it from seed + epoch, so no random-number state needs saving. (Dropout would change that.)
+    return checkpoint["epoch"]  # the next epoch to run: none is repeated
+
+
+def settle_buckets(model: DDP, loader: DataLoader, device: torch.device, dtype: torch.dtype) -> None:
+    """One backward pass with all-zero gradients, so that every real step uses the same buckets.
+
+    DDP's first backward all-reduces the gradients in one bucket laid out in the order the model
+    defines its parameters; then it rebuilds its buckets in the order the gradients became ready.
+    With 3 or more ranks, where a number sits in the bucket decides the order in which gloo adds
+    up the ranks' values, and so how the sum is rounded. After this pass every step of a fresh run
+    and of a resumed one uses the rebuilt layout, and a resumed run ends bit for bit equal to an
+    uninterrupted one. The weights and the optimizer are untouched.
+    """
+    x, _ = next(iter(loader))
+    with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):  # the graph of a real step
+        output = model(x.to(device))
+    output.float().sum().mul(0).backward()  # all-reduces zeros, as every backward does
+    model.zero_grad(set_to_none=True)
+
+
 def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int, device: torch.device):
     train_loader, val_loader = make_loaders(args, rank, world_size)
     common.print_line(
@@ -113,43 +159,45 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
     dtype = PRECISIONS[args.precision]
     scaler = torch.amp.GradScaler("cuda", enabled=args.precision == "fp16")
 
-    start_epoch = 0
-    if args.checkpoint:
-        # map_location: without it every rank loads the tensors onto the device they were saved from.
-        checkpoint = common.open_checkpoint(args.checkpoint, rank, device, common.run_config(args, world_size), model)
-        if checkpoint is not None:
-            model.load_state_dict(checkpoint["model"])
-            optimizer.load_state_dict(checkpoint["optimizer"])
-            if "scaler" in checkpoint:
-                scaler.load_state_dict(checkpoint["scaler"])
-            start_epoch = checkpoint["epoch"]  # the next epoch to run: none is repeated
-            if rank == 0:
-                print(f"resuming from {args.checkpoint}: {start_epoch} of {args.max_epochs} epochs done", flush=True)
-    # The shuffle is the run's only randomness after the weights are drawn, and DistributedSampler
-    # derives it from seed + epoch, so no random-number state needs saving. (Dropout would change that.)
+    # Every rank reads the checkpoint. Global rank 0 alone writes it (one writer, not one per node),
+    # in the background, and holds a lock on it that keeps a second job off the same path.
+    checkpoints = common.Checkpoints(args.checkpoint, rank) if args.checkpoint else None
+    try:
+        start_epoch = resume(args, rank, world_size, model, optimizer, scaler, checkpoints, device) \
+            if checkpoints else 0
+        # device_ids: this process's one GPU, named by its local rank (the global rank breaks on node 2).
+        model = DDP(model, device_ids=[local_rank])
+        settle_buckets(model, train_loader, device, dtype)
 
-    # device_ids: this process's one GPU, named by its local rank (the global rank breaks on node 2).
-    model = DDP(model, device_ids=[local_rank])
-
-    for epoch in range(start_epoch, args.max_epochs):
-        # Reseeds the shuffle with the epoch; without it every epoch sees the same order.
-        train_loader.sampler.set_epoch(epoch)
-        train_totals = train_one_epoch(model, train_loader, optimizer, device, dtype, scaler)
-        # Evaluate the plain module: ranks may hold different numbers of validation batches, and a
-        # forward through the DDP wrapper may wait for the other ranks.
-        val_totals = evaluate(model.module, val_loader, device, dtype)
-        train_loss, val_loss = epoch_means(train_totals, val_totals, device)
-        if rank == 0:
-            if args.checkpoint:
-                # Global rank 0 alone writes: one writer, not one per node. .module unwraps DDP so
-                # the keys carry no "module." prefix and load into a plain model.
+        for epoch in range(start_epoch, args.max_epochs):
+            # Reseeds the shuffle with the epoch; without it every epoch sees the same order.
+            train_loader.sampler.set_epoch(epoch)
+            loss_sum, samples, finite_steps = train_one_epoch(model, train_loader, optimizer, device, dtype, scaler)
+            # Evaluate the plain module: ranks may hold different numbers of validation batches, and a
+            # forward through the DDP wrapper may wait for the other ranks.
+            val_totals = evaluate(model.module, val_loader, device, dtype)
+            train_loss, val_loss = epoch_means((loss_sum, samples), val_totals, device)
+            if not math.isfinite(train_loss):
+                # The all-reduced loss is the same on every rank, so every rank stops here, before rank 0
+                # could save the ruined weights over the last good checkpoint; and every rank takes part
+                # in this all_reduce, which finds the first step at which any rank's loss went bad.
+                dist.all_reduce(finite_steps, op=dist.ReduceOp.MIN)
+                common.die(f"the training loss became {train_loss} in epoch {epoch} at step {finite_steps.item()}: "
+                           "stopped before saving (a learning rate too high, or weights that were not finite)", code=1)
+            line = f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}"
+            if rank == 0 and checkpoints:
+                # .module unwraps DDP so the keys carry no "module." prefix and load into a plain model.
                 state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                          "epoch": epoch + 1, "config": common.run_config(args, world_size),
                          "scaler": scaler.state_dict()}
-                common.save_checkpoint(state, args.checkpoint)
-            # Printed once the epoch is saved: after a crash and restart, no epoch shows up twice.
-            print(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}", flush=True)
-        # No barrier after the save: no other rank reads the file during the run.
+                # The line is printed once the epoch is on disk: after a restart, no epoch shows up twice.
+                checkpoints.save(state, line)
+            elif rank == 0:
+                common.print_line(line)
+            # No barrier after the save: no other rank reads the file during the run.
+    finally:
+        if checkpoints:
+            checkpoints.close()  # waits for the write in flight, also when training stops early
 
     if rank == 0:
         if start_epoch >= args.max_epochs:
@@ -176,15 +224,18 @@ def main() -> None:
     # Before init_process_group: nccl binds each process to the current device, and without this
     # every process would pile onto GPU 0.
     torch.cuda.set_device(device)
-    # env:// (the default) reads MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE from torchrun.
-    dist.init_process_group("nccl", timeout=timedelta(seconds=args.timeout))
+    # A stop signal ends this process at once, and so does torchrun's death (see common).
+    common.exit_promptly_on_signals()
+
+    timeout = timedelta(seconds=args.timeout)
+    # store None: env:// reads MASTER_ADDR and MASTER_PORT from torchrun. Under torchrun's shared
+    # store, each restart meets under keys of its own (common.torchrun_store says why).
+    dist.init_process_group("nccl", store=common.torchrun_store(timeout), rank=rank, world_size=world_size,
+                            timeout=timeout)
     try:
         train(args, rank, local_rank, world_size, device)
     finally:
         dist.destroy_process_group()
-        # The DDP wrapper sits in a reference cycle that holds the process group. Collected now,
-        # not at interpreter shutdown, where gloo's threads can abort the process (SIGABRT).
-        gc.collect()
 
 
 if __name__ == "__main__":

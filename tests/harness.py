@@ -38,10 +38,12 @@ def _read(folder: str, name: str) -> str:
     return path.read_text() if path.exists() else ""
 
 
-def spawn(fn: Callable, world_size: int, *args, timeout: float = 60) -> tuple[list, list[str]]:
-    """Run fn(rank, world_size, *args) on every rank; return (results, stdouts), both by rank.
+def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 60) -> tuple[list, list, list[str], list[str]]:
+    """Run fn(rank, world_size, *args) on every rank; return (exit codes, results, stdouts, stderrs),
+    each by rank (a rank that failed has no result: None).
 
     fn must be importable by name (a module-level function), as multiprocessing's spawn requires.
+    A rank still running at the deadline is killed, and its exit code is None.
     """
     context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as folder:
@@ -56,16 +58,23 @@ def spawn(fn: Callable, world_size: int, *args, timeout: float = 60) -> tuple[li
             for proc in procs:
                 proc.join(max(0.0, deadline - time.monotonic()))
         finally:
-            hung = [proc for proc in procs if proc.is_alive()]
-            for proc in hung:
-                proc.kill()
-                proc.join()
-        stdouts = [_read(folder, f"stdout{rank}.txt") for rank in range(world_size)]
-        failed = [rank for rank, proc in enumerate(procs) if proc.exitcode != 0]
-        if hung or failed:
-            stderrs = "\n".join(
-                f"--- rank {rank} stderr\n{_read(folder, f'stderr{rank}.txt')}" for rank in failed
-            )
-            raise AssertionError(f"ranks {failed} failed (hung: {len(hung)})\n{stderrs}")
-        results = [torch.load(Path(folder, f"result{rank}.pt"), weights_only=True) for rank in range(world_size)]
+            codes = [proc.exitcode for proc in procs]
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+        outputs = [[_read(folder, f"{name}{rank}.txt") for rank in range(world_size)] for name in ("stdout", "stderr")]
+        paths = [Path(folder, f"result{rank}.pt") for rank in range(world_size)]
+        results = [torch.load(path, weights_only=True) if path.exists() else None for path in paths]
+    return codes, results, outputs[0], outputs[1]
+
+
+def spawn(fn: Callable, world_size: int, *args, timeout: float = 60) -> tuple[list, list[str]]:
+    """Run fn(rank, world_size, *args) on every rank, which must all succeed; return (results, stdouts),
+    both by rank."""
+    codes, results, stdouts, stderrs = run_ranks(fn, world_size, *args, timeout=timeout)
+    failed = [rank for rank, code in enumerate(codes) if code != 0]
+    if failed:
+        details = "\n".join(f"--- rank {rank} (exit {codes[rank]}) stderr\n{stderrs[rank]}" for rank in failed)
+        raise AssertionError(f"ranks {failed} failed\n{details}")
     return results, stdouts

@@ -1,9 +1,14 @@
 """Bad input: one clear line on stderr, a non-zero exit, within seconds, and nothing lost."""
 import contextlib
+import ctypes
+import errno
 import importlib
 import io
+import os
+import signal
 import socket
 import sys
+from datetime import timedelta
 
 import pytest
 import torch
@@ -40,6 +45,7 @@ def run_main(script: str, *argv: str) -> tuple[int, str, str]:
     stdout, stderr). Much cheaper than a new process; the cases that need one start one."""
     module = importlib.import_module(script.removesuffix(".py"))
     saved_argv, sys.argv = sys.argv, [script, *argv]
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     out, err = io.StringIO(), io.StringIO()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -49,6 +55,11 @@ def run_main(script: str, *argv: str) -> tuple[int, str, str]:
         code = exc.code
     finally:
         sys.argv = saved_argv
+        # main() set these for a process of its own; this one is pytest's.
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, 0)
     return code, out.getvalue(), err.getvalue()
 
 
@@ -60,6 +71,19 @@ def truncated(path, good) -> None:
     write(path, good)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
+
+
+def damaged(path, good) -> None:
+    """A good checkpoint with one bit flipped inside a tensor's bytes, as a bad disk or a bad copy
+    would leave it. torch.load reads it without complaint, into a different weight."""
+    write(path, good)
+    data = bytearray(path.read_bytes())
+    weight = good["model"]["net.0.weight"]
+    at = bytes(data).index(weight.numpy().tobytes()) + 5
+    data[at] ^= 0x10
+    path.write_bytes(bytes(data))
+    loaded = torch.load(path, weights_only=True)["model"]["net.0.weight"]
+    assert not torch.equal(loaded, weight)
 
 
 def edited(**config):
@@ -89,6 +113,10 @@ CHECKPOINTS = {
     "written with another --batch_size": (
         lambda path, good: write(path, good), ["--batch_size", "16"],
         "error: {path} was written with --batch_size 32, this run has --batch_size 16"),
+    "damaged after it was written": (
+        damaged, [],
+        "error: cannot read checkpoint {path}: its bytes were damaged after it was written (ckpt/data/0 fails "
+        "its CRC check)"),
     "crafted to run code when unpickled": (
         lambda path, good: write(path, {**good, "epoch": RunsCode(str(path.parent / "ran-code"))}), [],
         "error: refusing to load {path}: it holds Python objects other than tensors and plain types, "
@@ -107,6 +135,48 @@ def test_an_unusable_checkpoint_stops_the_run_and_is_left_as_it_was(name, good_c
     assert stderr.strip().startswith(message.format(path=path)) and len(stderr.strip().splitlines()) == 1
     assert path.read_bytes() == before  # not overwritten, not deleted
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]  # and nothing ran or was written
+
+
+def test_a_loss_that_is_not_finite_stops_the_run_before_it_is_saved(tmp_path):
+    """--lr 1e30: the first step is finite, the second overflows. The run stops at the end of the
+    epoch, names where the loss went bad, and saves nothing."""
+    path = tmp_path / "ckpt.pt"
+    code, stdout, stderr = run_main("start_with_torchrun.py", *SMALL, "--lr", "1e30", "--checkpoint", str(path))
+    assert code == 1
+    assert stderr == ("error: the training loss became inf in epoch 0 at step 1: stopped before saving "
+                      "(a learning rate too high, or weights that were not finite)\n")
+    assert "epoch 0 |" not in stdout
+    assert list(tmp_path.iterdir()) == []  # no checkpoint, no lock left
+
+
+def test_restarts_on_several_nodes_on_torchruns_shared_store_are_refused(monkeypatch, capsys):
+    """Each node's agent counts its own restarts, so on several nodes the attempts cannot be kept
+    apart on the shared store: refused at start, before any rendezvous, with the fix named."""
+    torchrun_env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "GROUP_WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                    "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_RESTART_COUNT": "0"}
+    for name, value in torchrun_env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_info:
+        common.torchrun_store(timedelta(seconds=5))
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: torchrun --max-restarts on several nodes needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's "
+        "environment on every node: without it a restart can fail to reconnect (pytorch/pytorch#135712)\n")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # the variable is set: env:// will do
+    assert common.torchrun_store(timedelta(seconds=5)) is None
+
+
+@pytest.mark.parametrize("found_by_rank, message", [
+    (["epoch 2, sha256 aa", "no checkpoint: a fresh start", "epoch 2, sha256 aa"],
+     "error: rank 1 finds no checkpoint: a fresh start at ckpt.pt, rank 0 finds epoch 2, sha256 aa: every rank "
+     "must see the same file (on several nodes, put it on storage that all of them share)\n"),
+    (["epoch 2, sha256 aa", "epoch 2, sha256 aa", "error: cannot read checkpoint ckpt.pt: truncated"],
+     "error: cannot read checkpoint ckpt.pt: truncated (seen by rank 2)\n"),
+])
+def test_ranks_that_find_different_checkpoints_stop_with_the_same_line(found_by_rank, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        common.Checkpoints("ckpt.pt", rank=1).require_agreement(found_by_rank)
+    assert exit_info.value.code == 2 and capsys.readouterr().err == message
 
 
 def test_a_checkpoint_from_another_world_size_resumes_with_a_warning(good_checkpoint, tmp_path):
@@ -228,3 +298,31 @@ def test_mp_spawn_rendezvous_listens_on_loopback_only():
         assert sock.getsockname()[0] == "127.0.0.1"
         with pytest.raises(SystemExit):
             common.listen_on_loopback(sock.getsockname()[1])  # taken: one line, exit 2 (shown above)
+
+
+def test_a_failed_checkpoint_write_stops_with_one_line_and_keeps_the_previous_file(good_checkpoint, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """A full disk (ENOSPC at fsync) and then the folder gone: each write fails, its .tmp is
+    removed, the file from before stays whole, and the run stops with one line."""
+    path = tmp_path / "ckpt.pt"
+    write(path, good_checkpoint)
+    before = path.read_bytes()
+    checkpoints = common.Checkpoints(str(path), rank=0)
+
+    def disk_full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", disk_full)
+    checkpoints.save({**good_checkpoint, "epoch": 2}, "epoch 1 | ...")
+    with pytest.raises(SystemExit) as exit_info:
+        checkpoints.close()
+    assert exit_info.value.code == 1
+    assert capsys.readouterr() == ("", f"error: could not save checkpoint {path}: No space left on device\n")
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
+
+    missing = tmp_path / "gone" / "ckpt.pt"
+    checkpoints = common.Checkpoints(str(missing), rank=0)
+    checkpoints.save(good_checkpoint, "epoch 0 | ...")
+    with pytest.raises(SystemExit):
+        checkpoints.close()
+    assert capsys.readouterr().err == f"error: could not save checkpoint {missing}: No such file or directory\n"

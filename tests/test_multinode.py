@@ -11,11 +11,15 @@ import uuid
 import pytest
 import torch
 from conftest import ARGV
-from launch import TORCHRUN, Group, epoch_losses
+from launch import REPO, TORCHRUN, Group, epoch_losses
 
 import common
 
 ARGV = [*ARGV, "--timeout", "5"]
+INJECT = {"PYTHONPATH": str(REPO / "tests" / "inject")}
+# On several nodes torchrun's shared store cannot keep restarts apart, and the scripts refuse
+# --max-restarts without this (see common.torchrun_store).
+RESTARTABLE_ON_SEVERAL_NODES = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 class TwoHosts:
@@ -83,25 +87,30 @@ def hosts():
         two.destroy()
 
 
-def test_two_hosts_train_the_same_weights_as_one_host_with_four_workers(hosts, ddp_runs, tmp_path):
+def test_two_hosts_restart_after_a_killed_worker_and_train_what_one_host_trains(hosts, ddp_runs, tmp_path):
+    """The README's command for several nodes: a worker on the second host dies in epoch 1, both
+    agents restart their workers, and the job ends with the weights of one host with 4 workers."""
     if not hosts.netns:
         print("no network namespaces here (needs root and iproute2): both agents on 127.0.0.1")
     checkpoint = tmp_path / "ckpt.pt"  # a folder both hosts see, as a shared file system would be
     port = common.free_port()
     group = Group(tmp_path)
     for host in range(2):
+        kill = {"KILL_LOCAL_RANK": "1", "KILL_AT": "step:15"} if host == 1 else {}  # epoch 1's 6th step
         group.start(hosts.command(host, [
-            TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2",
+            TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.addresses[0]}:{port}", "--rdzv-id", "test-job",
             # The namespaces share one hostname, so say which agent hosts the rendezvous store and
             # which address each one is reachable at (real machines work these out themselves).
             "--rdzv-conf", f"is_host={int(host == 0)}", "--local-addr", hosts.addresses[host],
             "singlenode_cpu.py", *ARGV, "--checkpoint", str(checkpoint),
-        ]))
+        ]), env={**RESTARTABLE_ON_SEVERAL_NODES, **INJECT, **kill})
     codes = group.wait(timeout=120)
     assert codes == [0, 0], group.stderr(0) + group.stderr(1)
-    printed = {**epoch_losses(group.stdout(0)), **epoch_losses(group.stdout(1))}
-    assert sorted(printed) == [0, 1, 2]
+    assert "[inject] SIGKILL rank" in group.stdout(1)
+    output = group.stdout(0) + group.stdout(1)
+    assert "resuming from" in output
+    assert sorted(epoch_losses(output)) == [0, 1, 2]  # each epoch printed once, whichever host has rank 0
     one_host, _ = ddp_runs[4]
     saved = torch.load(checkpoint, weights_only=True)["model"]
     for name, tensor in one_host[0].items():

@@ -11,3 +11,33 @@ def train_script(rank: int, world_size: int, script: str, argv: list[str]) -> di
     args = module.parse_args()
     model = module.train(args, rank, rank, world_size, torch.device("cpu"))
     return model.state_dict()
+
+
+def train_script_per_rank(rank: int, world_size: int, script: str, argv_by_rank: list[list[str]]) -> dict:
+    """train_script with arguments of each rank's own: what ranks on different nodes may see."""
+    return train_script(rank, world_size, script, argv_by_rank[rank])
+
+
+def bucket_layouts(rank: int, world_size: int, backward_passes: int) -> list[list[list[str]]]:
+    """The parameters in each of DDP's gradient buckets, by name, at each backward pass of the
+    default model, as a communication hook sees them."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from model import build_model
+
+    torch.manual_seed(0)
+    model = DDP(build_model("mlp"))
+    names = {param.data_ptr(): name for name, param in model.module.named_parameters()}
+    passes: list[list[list[str]]] = []
+
+    def record(state, bucket):
+        passes[-1].append([names[param.data_ptr()] for param in bucket.parameters()])
+        return allreduce_hook(state, bucket)
+
+    model.register_comm_hook(dist.group.WORLD, record)
+    for _ in range(backward_passes):
+        passes.append([])
+        model(torch.ones(2, 20)).sum().backward()
+    return passes
