@@ -337,7 +337,10 @@ class Checkpoints:
 
     def _lock(self) -> None:
         lock_path = f"{self.path}.lock"
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise Unusable(f"cannot lock checkpoint {self.path}: {lock_path}: {exc.strerror}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             # The holder removes the file as it lets go; a lock won on a removed file is no lock.

@@ -244,6 +244,9 @@ IN_PROCESS = {
     "more ranks than training samples": (
         ["mp_spawn.py", "--nprocs", "3", "--train_size", "2"],
         "error: 3 ranks but only 2 training samples: every rank needs at least one"),
+    "a lock file that is a folder": (
+        ["start_with_torchrun.py", *SMALL, "--checkpoint", "{tmp}/ckpt.pt"],
+        "error: cannot lock checkpoint {tmp}/ckpt.pt: {tmp}/ckpt.pt.lock: Is a directory"),
     "checkpoint folder that does not exist": (
         ["start_with_torchrun.py", *SMALL, "--checkpoint", "{tmp}/missing/ckpt.pt"],
         "error: cannot write checkpoint {tmp}/missing/ckpt.pt: {tmp}/missing is not a directory"),
@@ -257,11 +260,13 @@ IN_PROCESS = {
 def test_bad_input_fails_with_one_clear_line(name, tmp_path, monkeypatch):
     argv, message = IN_PROCESS[name]
     monkeypatch.delenv("LOCAL_RANK", raising=False)
+    if name == "a lock file that is a folder":
+        (tmp_path / "ckpt.pt.lock").mkdir()
     code, _, stderr = run_main(*[arg.format(tmp=tmp_path) for arg in argv])
     assert code == 2
     error_lines = [line for line in stderr.splitlines() if "error:" in line]  # argparse adds its usage
     assert len(error_lines) == 1 and message.format(tmp=tmp_path) in error_lines[0]
-    assert list(tmp_path.iterdir()) == []  # nothing half-written
+    assert [p.name for p in tmp_path.iterdir()] in ([], ["ckpt.pt.lock"])  # nothing half-written or removed
 
 
 def test_a_port_in_use_is_named_with_how_to_pick_another():
