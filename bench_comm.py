@@ -66,7 +66,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=common.positive_int, default=4,
                         help="rounds per size, each timing every operation once in turn")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
-    parser.add_argument("--timeout", type=common.positive_float, default=300.0,
+    parser.add_argument("--timeout", type=common.timeout_seconds, default=300.0,
                         help="seconds a collective waits for a peer before the process group gives up")
     args = parser.parse_args()
     if args.min_bytes > args.max_bytes:
@@ -220,11 +220,10 @@ def print_table(args: argparse.Namespace, world_size: int, description: str, row
 
 def main() -> None:
     args = parse_args()
-    if "LOCAL_RANK" not in os.environ:
+    launched = common.launcher_env()  # None without a launcher; one line if its variables are incomplete
+    if launched is None:
         common.die("start this script with torchrun, e.g. torchrun --standalone --nproc-per-node 4 bench_comm.py")
-    rank = int(os.environ["RANK"])
-    local_rank = int(os.environ["LOCAL_RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
+    rank, local_rank, world_size = launched
     if args.backend == "nccl":
         if not torch.cuda.is_available():
             common.die("--backend nccl needs CUDA GPUs and this machine has none: use --backend gloo")
@@ -232,6 +231,11 @@ def main() -> None:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+    # Each operation keeps its buffers and its expected result, up to 3 times the size, on every process here.
+    procs_on_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    common.check_memory(3 * args.max_bytes * len(args.ops) * procs_on_node,
+                        f"--max-bytes {args.max_bytes} for {len(args.ops)} operations on {procs_on_node} "
+                        f"process{'es' if procs_on_node > 1 else ''}")
     element_size = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
     if args.min_bytes < element_size * world_size:
         common.die(f"--min-bytes must hold at least one {args.dtype} per rank: {element_size * world_size} bytes")

@@ -17,7 +17,6 @@ Started with plain python, it prints how to launch it and exits with status 2.
 import argparse
 import copy
 import math
-import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -40,7 +39,7 @@ def parse_args() -> argparse.Namespace:
         "--backend", choices=("gloo", "nccl"), default="nccl" if torch.cuda.is_available() else "gloo",
         help="gloo for CPU tensors, nccl for CUDA tensors (one GPU per process); default: nccl if CUDA is available",
     )
-    parser.add_argument("--timeout", type=common.positive_float, default=60.0,
+    parser.add_argument("--timeout", type=common.timeout_seconds, default=60.0,
                         help="seconds a collective waits for a peer before the process group gives up")
     return parser.parse_args()
 
@@ -468,11 +467,10 @@ DEMOS = (demo_broadcast, demo_reduce, demo_all_reduce, demo_all_gather, demo_gat
 
 def main() -> None:
     args = parse_args()
-    if "LOCAL_RANK" not in os.environ:
+    launched = common.launcher_env()  # None without a launcher; one line if its variables are incomplete
+    if launched is None:
         common.die("start this script with torchrun, e.g. torchrun --standalone --nproc-per-node 4 comm_collectives.py")
-    rank = int(os.environ["RANK"])
-    local_rank = int(os.environ["LOCAL_RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
+    rank, local_rank, world_size = launched
     if args.backend == "nccl":
         if not torch.cuda.is_available():
             common.die("--backend nccl needs CUDA GPUs and this machine has none: use --backend gloo")

@@ -28,7 +28,7 @@ def parse_args() -> argparse.Namespace:
         "--backend", choices=("gloo", "nccl"), default="nccl" if torch.cuda.is_available() else "gloo",
         help="gloo for CPU tensors, nccl for CUDA tensors (one GPU per process); default: nccl if CUDA is available",
     )
-    parser.add_argument("--timeout", type=common.positive_float, default=60.0,
+    parser.add_argument("--timeout", type=common.timeout_seconds, default=60.0,
                         help="seconds a collective waits for a peer before the process group gives up")
     return parser.parse_args()
 
@@ -161,12 +161,11 @@ def rendezvous(args: argparse.Namespace, rank: int, world_size: int, device: tor
 
 def main() -> None:
     args = parse_args()
-    if "LOCAL_RANK" not in os.environ:
+    launched = common.launcher_env()  # None without a launcher; one line if its variables are incomplete
+    if launched is None:
         common.die("start this script with torchrun, e.g. torchrun --standalone --nproc-per-node 4 comm_intro.py")
     # torchrun sets these for every process it starts.
-    rank = int(os.environ["RANK"])
-    local_rank = int(os.environ["LOCAL_RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
+    rank, local_rank, world_size = launched
     if args.backend == "nccl":
         if not torch.cuda.is_available():
             common.die("--backend nccl needs CUDA GPUs and this machine has none: use --backend gloo")

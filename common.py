@@ -65,9 +65,39 @@ def positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:  # also rejects nan
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    if not 0 < value < float("inf"):  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
     return value
+
+
+def number_in(low: float, high: float, kind: type = float):
+    """An argparse type: a number of `kind` from `low` to `high`, or one line that says the range."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not low <= value <= high:  # also rejects nan
+            raise argparse.ArgumentTypeError(f"must be from {low:g} to {high:g}, got {text}")
+        return value
+    return parse
+
+
+# Seconds: below 1 the rendezvous itself rarely finishes; above about 115 days a mistake, and far above
+# it the number no longer fits a timedelta (1e300 and inf raise OverflowError there).
+timeout_seconds = number_in(1, 10**7)
+# torch.manual_seed takes any 64-bit integer, and DistributedSampler seeds with seed + epoch.
+seed_value = number_in(0, 2**63 - 2**31, int)
+port_number = number_in(0, 65535, int)
+
+
+def checkpoint_path(text: str) -> str:
+    """An argparse type: a path that can name a file (what is at it is checked at start)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: name a file, or leave --checkpoint out to train without one")
+    if text.endswith(os.sep):
+        raise argparse.ArgumentTypeError(f"{text!r} ends in {os.sep}, so it names a folder: name a file in it")
+    return text
 
 
 def add_training_args(parser: argparse.ArgumentParser) -> None:
@@ -75,16 +105,16 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max_epochs", type=positive_int, default=10, help="epochs to train in all")
     parser.add_argument("--batch_size", type=positive_int, default=32, help="samples per step on each rank")
     parser.add_argument("--lr", type=positive_float, default=0.005, help="Adam learning rate")
-    parser.add_argument("--seed", type=int, default=0, help="seed for the model's weights and the shuffle")
+    parser.add_argument("--seed", type=seed_value, default=0, help="seed for the model's weights and the shuffle")
     parser.add_argument("--model", choices=sorted(MODELS), default="mlp", help="which model from model.py")
     parser.add_argument("--train_size", type=positive_int, default=data.TRAIN_SIZE, help="training samples")
     parser.add_argument("--val_size", type=positive_int, default=data.VAL_SIZE, help="validation samples")
     parser.add_argument(
-        "--timeout", type=positive_float, default=120.0,
-        help="seconds a collective waits for a peer before the process group gives up",
+        "--timeout", type=timeout_seconds, default=120.0,
+        help="seconds (1 to 1e7) a collective waits for a peer before the process group gives up",
     )
     parser.add_argument(
-        "--checkpoint", default=None, metavar="PATH",
+        "--checkpoint", type=checkpoint_path, default=None, metavar="PATH",
         help="after every epoch rank 0 saves here; if the file exists at start, training resumes from it",
     )
 
@@ -101,9 +131,15 @@ def reject_old_launcher_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-rank", "--local_rank", action=Reject, help=argparse.SUPPRESS)
 
 
-def check_world_size(world_size: int, args: argparse.Namespace) -> None:
+def check_sizes(args: argparse.Namespace, world_size: int, procs_on_node: int) -> None:
+    """Sizes that cannot work, refused before anything starts: fewer samples than ranks, or data
+    sets that do not fit in this machine's memory (every process builds its own copy)."""
     if world_size > args.train_size:
         die(f"{world_size} ranks but only {args.train_size} training samples: every rank needs at least one")
+    # float32 features and target per sample, and about as much again while they are drawn
+    per_process = (args.train_size + args.val_size) * (data.FEATURES + 1) * 4 * 2
+    check_memory(per_process * procs_on_node, f"--train_size {args.train_size} and --val_size {args.val_size} "
+                 f"on {procs_on_node} process{'es' if procs_on_node > 1 else ''}")
 
 
 def check_gpus(procs_on_node: int, flag: str, cpu_script: str) -> None:
@@ -129,12 +165,50 @@ def listen_on_loopback(port: int) -> socket.socket:
         sock.bind(("127.0.0.1", port))
     except OSError as exc:
         sock.close()
-        if exc.errno != errno.EADDRINUSE:
-            raise
-        die(f"port {port} on 127.0.0.1 is already in use: pass --port 0 to let the system pick a free one, "
-            "or name another")
+        if exc.errno == errno.EADDRINUSE:
+            die(f"port {port} on 127.0.0.1 is already in use: pass --port 0 to let the system pick a free one, "
+                "or name another")
+        die(f"cannot listen on port {port} of 127.0.0.1: {exc.strerror} (ports below 1024 need root): "
+            "pass --port 0 to let the system pick a free one")
     sock.listen()
     return sock
+
+
+def check_memory(needed: int, what: str) -> None:
+    """One line, before anything is allocated, if `needed` bytes cannot fit in this machine's memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return  # not Linux: nothing to compare with
+    if needed > available:
+        die(f"{what} need {needed:,} bytes of memory and this machine has {available:,} available")
+
+
+def launcher_env() -> tuple[int, int, int] | None:
+    """(rank, local rank, world size) from the variables a launcher sets, or None if none is set.
+    A partial or malformed set (a hand-made environment, a launcher of another kind) is one line."""
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    present = [name for name in names if name in os.environ]
+    if not present:
+        return None
+    how = "start this script with torchrun, which sets them all, e.g. torchrun --standalone --nproc-per-node 4"
+    missing = [name for name in names if name not in os.environ]
+    if missing:
+        die(f"{', '.join(present)} set but not {', '.join(missing)}: {how}")
+    values = {}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
+        try:
+            values[name] = int(os.environ[name])
+        except ValueError:
+            die(f"{name}={os.environ[name]!r} is not an integer: {how}")
+    if not 0 <= values["RANK"] < values["WORLD_SIZE"] or values["LOCAL_RANK"] < 0:
+        die(f"RANK={values['RANK']}, LOCAL_RANK={values['LOCAL_RANK']} and WORLD_SIZE={values['WORLD_SIZE']} "
+            f"do not fit together: {how}")
+    if not 0 < values["MASTER_PORT"] <= 65535 or not os.environ["MASTER_ADDR"].strip():
+        die(f"MASTER_ADDR={os.environ['MASTER_ADDR']!r} and MASTER_PORT={os.environ['MASTER_PORT']} are not an "
+            f"address and a port: {how}")
+    return values["RANK"], values["LOCAL_RANK"], values["WORLD_SIZE"]
 
 
 def free_port() -> int:
@@ -181,8 +255,9 @@ def exit_promptly_on_signals() -> None:
     --shutdown-timeout). A Python signal handler, such as the one that raises KeyboardInterrupt,
     runs only between bytecodes, so a worker blocked in a collective or in the rendezvous would
     wait out that time; the system's default action ends it at once. The one process that must
-    not die mid-write, rank 0 with a checkpoint write in flight, takes the signals over while it
-    runs (common.Checkpoints). torchrun also starts each worker in a session of its own, so a
+    not die mid-write, rank 0 with --checkpoint, takes the signals over (common.Checkpoints): its
+    blocking calls are collectives with ranks that the same signal ends at once, so they fail at
+    once and its handler runs. torchrun also starts each worker in a session of its own, so a
     `kill -9` of torchrun (or of mp_spawn.py) reaches no worker: orphans would train on, and rank 0
     save, beside the job that a relaunch starts. Linux's parent-death signal ends them.
     """
@@ -202,12 +277,14 @@ def exit_promptly_on_signals() -> None:
 # Settings that a resumed run must share with the run that wrote the checkpoint: with any other
 # value it would silently become a different experiment. The world size may change (an elastic
 # job can restart with fewer nodes); that only earns a warning.
-RESUME_MUST_MATCH = ("model", "train_size", "batch_size", "lr", "seed")
+RESUME_MUST_MATCH = ("model", "train_size", "batch_size", "lr", "seed", "precision")
 
 
 def run_config(args: argparse.Namespace, world_size: int) -> dict:
-    """What a checkpoint records about the run that wrote it (plain types: weights_only can read them)."""
-    return {name: getattr(args, name) for name in RESUME_MUST_MATCH} | {"world_size": world_size}
+    """What a checkpoint records about the run that wrote it (plain types: weights_only can read them).
+    The CPU scripts have no --precision: they train in fp32."""
+    return ({name: getattr(args, name) for name in RESUME_MUST_MATCH if name != "precision"}
+            | {"precision": getattr(args, "precision", "fp32"), "world_size": world_size})
 
 
 class Unusable(Exception):
@@ -230,6 +307,9 @@ class Checkpoints:
 
     def __init__(self, path: str, rank: int) -> None:
         self.path, self.rank = path, rank
+        # A symbolic link is written through to the file it names: os.replace on the link itself
+        # would put a regular file in its place.
+        self.target = os.path.realpath(path)
         self.lock_fd: int | None = None
         self.pending: tuple[dict, list[str]] | None = None  # (state, lines to print once it is saved)
         self.error: str | None = None
@@ -240,23 +320,26 @@ class Checkpoints:
         if rank == 0 and threading.current_thread() is threading.main_thread():
             self.handlers = {sig: signal.signal(sig, self._stop) for sig in (signal.SIGINT, signal.SIGTERM)}
 
-    def load(self, map_location: torch.device, config: dict, model: torch.nn.Module) -> tuple[dict | None, str]:
+    def load(self, map_location: torch.device, config: dict, model: torch.nn.Module,
+             optimizer: torch.optim.Optimizer) -> tuple[dict | None, str]:
         """Return (the checkpoint or None, what this rank found: a line that every rank must share).
 
         A missing file means a fresh start. A file that exists but cannot be used stops the run
         with one line and is left as it is: silently starting afresh would throw the training away.
         """
         try:
-            self._check_folder()
+            self._check_path()
             if self.rank == 0:
                 self._lock()
-                if os.path.exists(f"{self.path}.tmp"):  # ours to remove only once we hold the lock
-                    os.remove(f"{self.path}.tmp")  # the torn remains of a write that crashed
-                    print_line(f"removed {self.path}.tmp, left by a checkpoint write that did not finish")
-            if not os.path.exists(self.path):
+                tmp = f"{self.target}.tmp"
+                if os.path.lexists(tmp):  # ours to remove only once we hold the lock
+                    os.remove(tmp)  # the torn remains of a write that crashed
+                    print_line(f"removed {tmp}, left by a checkpoint write that did not finish")
+                self._try_to_write(tmp)
+            if not os.path.exists(self.target):
                 return None, "no checkpoint: a fresh start"
             checkpoint, digest = self._read(map_location)
-            self._validate(checkpoint, config, model)
+            self._validate(checkpoint, config, model, optimizer)
         except Unusable as problem:
             return None, f"error: {problem}"
         return checkpoint, f"epoch {checkpoint['epoch']}, sha256 {digest[:16]}"
@@ -308,8 +391,9 @@ class Checkpoints:
         if self.thread is not None:
             self.thread.join()
         self._unlock()
-        print_line(f"stopped by {signal.Signals(signum).name}: every epoch printed above is saved in {self.path}; "
-                   "run the same command to resume")
+        # torchrun also sends this when another worker died and it is about to restart them all.
+        print_line(f"rank 0 stopped by {signal.Signals(signum).name}: every epoch printed above is saved in "
+                   f"{self.path}, and the same command resumes from there")
         os._exit(128 + signum)
 
     def _write_pending(self) -> None:
@@ -321,22 +405,40 @@ class Checkpoints:
                     return
                 (state, lines), self.pending = self.pending, None
             try:
-                save_checkpoint(state, self.path)
+                save_checkpoint(state, self.target)
             except Exception as exc:  # a full disk, a folder removed: the previous checkpoint is still whole
                 self.error = f"could not save checkpoint {self.path}: {getattr(exc, 'strerror', None) or exc}"
                 return
             for line in lines:  # printed only now: after a crash and restart no epoch shows up twice
                 print_line(line)
 
-    def _check_folder(self) -> None:
-        folder = os.path.dirname(os.path.abspath(self.path))
+    def _check_path(self) -> None:
+        folder = os.path.dirname(self.target)
         if not os.path.isdir(folder):
             raise Unusable(f"cannot write checkpoint {self.path}: {folder} is not a directory")
         if not os.access(folder, os.W_OK):
             raise Unusable(f"cannot write checkpoint {self.path}: {folder} is not writable")
+        if os.path.isdir(self.target):
+            raise Unusable(f"checkpoint {self.path} is a directory: name a file")
+        if os.path.exists(self.target) and not os.path.isfile(self.target):
+            raise Unusable(f"checkpoint {self.path} is not a regular file (a FIFO, a socket or a device): name a file")
+
+    def _try_to_write(self, tmp: str) -> None:
+        """Create and remove the temporary file now, rather than fail after an epoch of training
+        (a full disk, a read-only mount, a quota)."""
+        try:
+            with open(tmp, "wb") as f:
+                f.write(b"0" * 4096)
+                f.flush()
+                os.fsync(f.fileno())
+            os.remove(tmp)
+        except OSError as exc:
+            if os.path.lexists(tmp):
+                os.remove(tmp)
+            raise Unusable(f"cannot write checkpoint {self.path}: {exc.strerror or exc}") from None
 
     def _lock(self) -> None:
-        lock_path = f"{self.path}.lock"
+        lock_path = f"{self.target}.lock"
         try:
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
@@ -357,17 +459,25 @@ class Checkpoints:
 
     def _unlock(self) -> None:
         if self.lock_fd is not None:
-            os.remove(f"{self.path}.lock")  # while still holding it: see _lock
+            os.remove(f"{self.target}.lock")  # while still holding it: see _lock
             os.close(self.lock_fd)
             self.lock_fd = None
 
     def _read(self, map_location: torch.device) -> tuple[dict, str]:
         """torch.load with weights_only=True, each failure told in one line; and the file's sha256."""
-        with open(self.path, "rb") as f:
-            raw = f.read()  # read once: the checks and the load see the same bytes
+        try:
+            with open(self.target, "rb") as f:
+                raw = f.read()  # read once: the checks and the load see the same bytes
+        except OSError as exc:
+            raise Unusable(f"cannot read checkpoint {self.path}: {exc.strerror}") from None
         if not zipfile.is_zipfile(io.BytesIO(raw)):
-            raise Unusable(f"cannot read checkpoint {self.path}: not a file written by torch.save "
-                           "(truncated, or another format)")
+            try:
+                torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            except Exception:
+                raise Unusable(f"cannot read checkpoint {self.path}: not a file written by torch.save "
+                               "(truncated, or another format)") from None
+            raise Unusable(f"cannot use checkpoint {self.path}: torch.save wrote it in the format of torch "
+                           "before 1.6, which has no checksums; load it and save it again")
         try:
             # torch.load does not check the CRC32 that torch.save stores for every record, so a
             # flipped bit inside a tensor would load as a silently different weight.
@@ -388,26 +498,57 @@ class Checkpoints:
             raise Unusable(f"cannot read checkpoint {self.path}: {str(exc).splitlines()[0]}") from None
         return checkpoint, hashlib.sha256(raw).hexdigest()
 
-    def _validate(self, checkpoint: dict, config: dict, model: torch.nn.Module) -> None:
+    def _validate(self, checkpoint, config: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Every field, by type and range, before anything is loaded into the model or optimizer."""
+        def bad(field: str, problem: str) -> Unusable:
+            return Unusable(f"{self.path} is not a usable checkpoint: its {field} {problem}")
+
         missing = {"model", "optimizer", "epoch", "config"} - set(checkpoint if isinstance(checkpoint, dict) else ())
         if missing:
             raise Unusable(f"{self.path} is not a checkpoint of these scripts: it lacks {', '.join(sorted(missing))}")
+        epoch = checkpoint["epoch"]
+        if type(epoch) is not int or epoch < 0:
+            raise bad("epoch", f"is {epoch!r}, where a count of epochs done (an integer from 0) belongs")
+        saved = checkpoint["config"]
+        if not isinstance(saved, dict) or set(config) - set(saved):
+            keys = sorted(set(config) - set(saved)) if isinstance(saved, dict) else sorted(config)
+            raise bad("config", f"lacks {', '.join(keys)}")
         for name in RESUME_MUST_MATCH:
-            saved, now = checkpoint["config"].get(name), config[name]
-            if saved != now:
-                raise Unusable(f"{self.path} was written with --{name} {saved}, this run has --{name} {now}: "
-                               f"use the same value, or another --checkpoint path to start afresh")
+            if saved[name] != config[name]:
+                raise Unusable(f"{self.path} was written with --{name} {saved[name]}, this run has --{name} "
+                               f"{config[name]}: use the same value, or another --checkpoint path to start afresh")
+        if type(saved["world_size"]) is not int or saved["world_size"] < 1:
+            raise bad("config", f"has world_size {saved['world_size']!r}, where a positive integer belongs")
+        weights = checkpoint["model"]
+        if not isinstance(weights, dict) or not all(isinstance(t, torch.Tensor) for t in weights.values()):
+            raise bad("model", "is not a state_dict of tensors")
         expected = {key: tuple(t.shape) for key, t in model.state_dict().items()}
-        saved_shapes = {key: tuple(t.shape) for key, t in checkpoint["model"].items()}
-        if saved_shapes != expected:
+        if {key: tuple(t.shape) for key, t in weights.items()} != expected:
             raise Unusable(f"{self.path} holds weights of another model: its parameters do not match "
                            f"--model {config['model']}")
-        saved_world = checkpoint["config"]["world_size"]
-        if self.rank == 0 and saved_world != config["world_size"]:
-            print_line(f"warning: {self.path} was written by {saved_world} ranks and this run has "
-                       f"{config['world_size']}: the global batch changes from {saved_world * config['batch_size']} "
-                       f"to {config['world_size'] * config['batch_size']} samples, so the result will differ from "
-                       "an uninterrupted run")
+        self._validate_optimizer(checkpoint["optimizer"], optimizer, config, bad)
+        if self.rank == 0 and saved["world_size"] != config["world_size"]:
+            print_line(f"warning: {self.path} was written by {saved['world_size']} ranks and this run has "
+                       f"{config['world_size']}: the global batch changes from "
+                       f"{saved['world_size'] * config['batch_size']} to {config['world_size'] * config['batch_size']} "
+                       "samples, so the result will differ from an uninterrupted run")
+
+    @staticmethod
+    def _validate_optimizer(saved, optimizer: torch.optim.Optimizer, config: dict, bad) -> None:
+        """The optimizer's state fits this model's parameter groups, at the run's learning rate."""
+        groups = saved.get("param_groups") if isinstance(saved, dict) else None
+        if not isinstance(groups, list) or not isinstance(saved.get("state"), dict) \
+                or not all(isinstance(group, dict) and isinstance(group.get("params"), list) for group in groups):
+            raise bad("optimizer", "is not an optimizer's state_dict")
+        now = optimizer.state_dict()["param_groups"]
+        if [len(group["params"]) for group in groups] != [len(group["params"]) for group in now]:
+            raise bad("optimizer", "holds state for other parameters than this model's")
+        for group in groups:
+            if group.get("lr") != config["lr"]:
+                raise bad("optimizer", f"has learning rate {group.get('lr')!r}, and the run --lr {config['lr']}")
+        ids = {index for group in groups for index in group["params"]}
+        if not set(saved["state"]) <= ids or not all(isinstance(v, dict) for v in saved["state"].values()):
+            raise bad("optimizer", "holds state for parameters it does not list")
 
 
 def _cpu_copy(value):

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 FEATURES = 20
-TRAIN_SIZE = 4096  # 4096 / (32 per rank × 4 ranks) = 32 steps per epoch, as in the seed demos
+TRAIN_SIZE = 4096  # 4096 / (32 per rank × 4 ranks) = 32 steps per epoch, as in common DDP demos
 VAL_SIZE = 1024
 NOISE_STD = 0.5
 LOSS_FLOOR = NOISE_STD**2  # expected MSE of the hidden function: no model can do better

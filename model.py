@@ -21,7 +21,7 @@ class MLP(nn.Module):
 
 MODELS = {
     "mlp": MLP,
-    "linear": lambda: nn.Linear(FEATURES, 1),  # the seed demos' single dense layer
+    "linear": lambda: nn.Linear(FEATURES, 1),  # a single dense layer, as in many DDP demos
 }
 
 

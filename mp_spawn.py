@@ -38,7 +38,7 @@ def parse_args() -> argparse.Namespace:
     common.add_training_args(parser)
     parser.add_argument("--nprocs", type=common.positive_int, default=default_nprocs(),
                         help="processes to start (default: GPUs if any, else CPU cores up to 4)")
-    parser.add_argument("--port", type=int, default=0,
+    parser.add_argument("--port", type=common.port_number, default=0,
                         help="port on 127.0.0.1 for the processes to meet at (default 0: a free one)")
     return parser.parse_args()
 
@@ -103,7 +103,7 @@ def resume(args: argparse.Namespace, rank: int, world_size: int, model: torch.nn
            optimizer: torch.optim.Optimizer, checkpoints: common.Checkpoints, device: torch.device) -> int:
     """Load the checkpoint, if there is one, on every rank; return the next epoch to run."""
     # map_location: without it every rank loads the tensors onto the device they were saved from.
-    checkpoint, found = checkpoints.load(device, common.run_config(args, world_size), model)
+    checkpoint, found = checkpoints.load(device, common.run_config(args, world_size), model, optimizer)
     # Each rank read the file for itself, so compare what they found before anything is trained or
     # saved: a rank on a node that cannot see the file (a node-local path, a stale mount) would start
     # afresh while rank 0 resumes, and rank 0 would save the mixture. Every rank takes part, and if
@@ -115,7 +115,7 @@ def resume(args: argparse.Namespace, rank: int, world_size: int, model: torch.nn
         return 0
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
-    if rank == 0:
+    if rank == 0 and checkpoint["epoch"] < args.max_epochs:  # else train() says there is nothing to do
         print(f"resuming from {args.checkpoint}: {checkpoint['epoch']} of {args.max_epochs} epochs done", flush=True)
     # The shuffle is the run's only randomness after the weights are drawn, and DistributedSampler
     # derives it from seed + epoch, so no random-number state needs saving. (Dropout would change that.)
@@ -126,12 +126,15 @@ def settle_buckets(model: DDP, loader: DataLoader, device: torch.device) -> None
     """One backward pass with all-zero gradients, so that every real step uses the same buckets.
 
     DDP's first backward all-reduces the gradients in one bucket laid out in the order the model
-    defines its parameters; then it rebuilds its buckets in the order the gradients became ready.
-    With 3 or more ranks, where a number sits in the bucket decides the order in which gloo adds
-    up the ranks' values, and so how the sum is rounded. After this pass every step of a fresh run
-    and of a resumed one uses the rebuilt layout, and a resumed run ends bit for bit equal to an
-    uninterrupted one. The weights and the optimizer are untouched.
+    defines its parameters (with find_unused_parameters=False, the default, whatever the model's
+    size); then it rebuilds its buckets in the order the gradients became ready. With 3 or more
+    ranks, where a number sits in a bucket decides the order in which the backend adds up the
+    ranks' values, and so how the sum is rounded. After this pass every step of a fresh run and of
+    a resumed one uses the rebuilt layout, and a resumed run ends bit for bit equal to an
+    uninterrupted one. The weights and the optimizer are untouched, and in eval mode no batch-norm
+    statistics change and no dropout is drawn.
     """
+    model.eval()  # train_one_epoch switches back
     x, _ = next(iter(loader))
     model(x.to(device)).sum().mul(0).backward()  # all-reduces zeros, as every backward does
     model.zero_grad(set_to_none=True)
@@ -203,7 +206,7 @@ def worker(rank: int, world_size: int, store_port: int, args: argparse.Namespace
     common.exit_promptly_on_signals()
     if torch.cuda.is_available():
         device = torch.device("cuda", rank)  # one node, so the rank is also the local rank
-        torch.cuda.set_device(device)  # before init_process_group, so nccl binds this GPU
+        torch.cuda.set_device(device)  # before anything touches the GPU, or every process would use GPU 0
         backend = "nccl"
     else:
         device = torch.device("cpu")
@@ -214,8 +217,9 @@ def worker(rank: int, world_size: int, store_port: int, args: argparse.Namespace
     # Join the parent's rendezvous store (127.0.0.1, not localhost, which may resolve to IPv6
     # first); init_process_group finds the other processes through it.
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=args.timeout))
+    # device_id: nccl binds this process's communicator to its own GPU, and makes it at once.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=args.timeout))
+                            timeout=timedelta(seconds=args.timeout), device_id=device if backend == "nccl" else None)
     try:
         train(args, rank, rank, world_size, device)
     finally:
@@ -224,7 +228,11 @@ def worker(rank: int, world_size: int, store_port: int, args: argparse.Namespace
 
 def main() -> None:
     args = parse_args()
-    common.check_world_size(args.nprocs, args)
+    cores = os.cpu_count() or 1
+    if args.nprocs > 2 * cores:
+        common.print_line(f"warning: {args.nprocs} processes on {cores} CPU cores: each gets a fraction of a core, "
+                          "and starting them alone takes a while")
+    common.check_sizes(args, args.nprocs, procs_on_node=args.nprocs)
     if torch.cuda.is_available():
         common.check_gpus(args.nprocs, "--nprocs", "mp_spawn.py")
     # The rendezvous: a key-value store that the processes meet at, hosted here by the parent. Its

@@ -97,7 +97,7 @@ def resume(args: argparse.Namespace, rank: int, world_size: int, model: torch.nn
            optimizer: torch.optim.Optimizer, checkpoints: common.Checkpoints, device: torch.device) -> int:
     """Load the checkpoint, if there is one, on every rank; return the next epoch to run."""
     # map_location: without it every rank loads the tensors onto the device they were saved from.
-    checkpoint, found = checkpoints.load(device, common.run_config(args, world_size), model)
+    checkpoint, found = checkpoints.load(device, common.run_config(args, world_size), model, optimizer)
     # Each rank read the file for itself, so compare what they found before anything is trained or
     # saved: a rank on a node that cannot see the file (a node-local path, a stale mount) would start
     # afresh while rank 0 resumes, and rank 0 would save the mixture. Every rank takes part, and if
@@ -109,7 +109,7 @@ def resume(args: argparse.Namespace, rank: int, world_size: int, model: torch.nn
         return 0
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
-    if rank == 0:
+    if rank == 0 and checkpoint["epoch"] < args.max_epochs:  # else train() says there is nothing to do
         print(f"resuming from {args.checkpoint}: {checkpoint['epoch']} of {args.max_epochs} epochs done", flush=True)
     # The shuffle is the run's only randomness after the weights are drawn, and DistributedSampler
     # derives it from seed + epoch, so no random-number state needs saving. (Dropout would change that.)
@@ -120,12 +120,15 @@ def settle_buckets(model: DDP, loader: DataLoader, device: torch.device) -> None
     """One backward pass with all-zero gradients, so that every real step uses the same buckets.
 
     DDP's first backward all-reduces the gradients in one bucket laid out in the order the model
-    defines its parameters; then it rebuilds its buckets in the order the gradients became ready.
-    With 3 or more ranks, where a number sits in the bucket decides the order in which gloo adds
-    up the ranks' values, and so how the sum is rounded. After this pass every step of a fresh run
-    and of a resumed one uses the rebuilt layout, and a resumed run ends bit for bit equal to an
-    uninterrupted one. The weights and the optimizer are untouched.
+    defines its parameters (with find_unused_parameters=False, the default, whatever the model's
+    size); then it rebuilds its buckets in the order the gradients became ready. With 3 or more
+    ranks, where a number sits in a bucket decides the order in which the backend adds up the
+    ranks' values, and so how the sum is rounded. After this pass every step of a fresh run and of
+    a resumed one uses the rebuilt layout, and a resumed run ends bit for bit equal to an
+    uninterrupted one. The weights and the optimizer are untouched, and in eval mode no batch-norm
+    statistics change and no dropout is drawn.
     """
+    model.eval()  # train_one_epoch switches back
     x, _ = next(iter(loader))
     model(x.to(device)).sum().mul(0).backward()  # all-reduces zeros, as every backward does
     model.zero_grad(set_to_none=True)
@@ -193,14 +196,13 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
 
 def main() -> None:
     args = parse_args()
-    if "LOCAL_RANK" not in os.environ:
+    launched = common.launcher_env()  # None without a launcher; one line if its variables are incomplete
+    if launched is None:
         common.die("start this script with torchrun, e.g. torchrun --standalone --nproc-per-node 8 singlenode_cpu.py")
     # torchrun sets these for every process it starts (and OMP_NUM_THREADS=1, so that N processes
     # do not each start one thread per core).
-    rank = int(os.environ["RANK"])
-    local_rank = int(os.environ["LOCAL_RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
-    common.check_world_size(world_size, args)
+    rank, local_rank, world_size = launched
+    common.check_sizes(args, world_size, procs_on_node=int(os.environ["LOCAL_WORLD_SIZE"]))
 
     # A stop signal ends this process at once, and so does torchrun's death (see common).
     common.exit_promptly_on_signals()

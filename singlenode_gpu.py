@@ -107,7 +107,7 @@ def resume(args: argparse.Namespace, rank: int, world_size: int, model: torch.nn
            device: torch.device) -> int:
     """Load the checkpoint, if there is one, on every rank; return the next epoch to run."""
     # map_location: without it every rank loads the tensors onto the device they were saved from.
-    checkpoint, found = checkpoints.load(device, common.run_config(args, world_size), model)
+    checkpoint, found = checkpoints.load(device, common.run_config(args, world_size), model, optimizer)
     # Each rank read the file for itself, so compare what they found before anything is trained or
     # saved: a rank on a node that cannot see the file (a node-local path, a stale mount) would start
     # afresh while rank 0 resumes, and rank 0 would save the mixture. Every rank takes part, and if
@@ -121,7 +121,7 @@ def resume(args: argparse.Namespace, rank: int, world_size: int, model: torch.nn
     optimizer.load_state_dict(checkpoint["optimizer"])
     if "scaler" in checkpoint:
         scaler.load_state_dict(checkpoint["scaler"])
-    if rank == 0:
+    if rank == 0 and checkpoint["epoch"] < args.max_epochs:  # else train() says there is nothing to do
         print(f"resuming from {args.checkpoint}: {checkpoint['epoch']} of {args.max_epochs} epochs done", flush=True)
     # The shuffle is the run's only randomness after the weights are drawn, and DistributedSampler
     # derives it from seed + epoch, so no random-number state needs saving. (Dropout would change that.)
@@ -132,12 +132,15 @@ def settle_buckets(model: DDP, loader: DataLoader, device: torch.device, dtype: 
     """One backward pass with all-zero gradients, so that every real step uses the same buckets.
 
     DDP's first backward all-reduces the gradients in one bucket laid out in the order the model
-    defines its parameters; then it rebuilds its buckets in the order the gradients became ready.
-    With 3 or more ranks, where a number sits in the bucket decides the order in which gloo adds
-    up the ranks' values, and so how the sum is rounded. After this pass every step of a fresh run
-    and of a resumed one uses the rebuilt layout, and a resumed run ends bit for bit equal to an
-    uninterrupted one. The weights and the optimizer are untouched.
+    defines its parameters (with find_unused_parameters=False, the default, whatever the model's
+    size); then it rebuilds its buckets in the order the gradients became ready. With 3 or more
+    ranks, where a number sits in a bucket decides the order in which the backend adds up the
+    ranks' values, and so how the sum is rounded. After this pass every step of a fresh run and of
+    a resumed one uses the rebuilt layout, and a resumed run ends bit for bit equal to an
+    uninterrupted one. The weights and the optimizer are untouched, and in eval mode no batch-norm
+    statistics change and no dropout is drawn.
     """
+    model.eval()  # train_one_epoch switches back
     x, _ = next(iter(loader))
     with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):  # the graph of a real step
         output = model(x.to(device))
@@ -188,8 +191,9 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
             if rank == 0 and checkpoints:
                 # .module unwraps DDP so the keys carry no "module." prefix and load into a plain model.
                 state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                         "epoch": epoch + 1, "config": common.run_config(args, world_size),
-                         "scaler": scaler.state_dict()}
+                         "epoch": epoch + 1, "config": common.run_config(args, world_size)}
+                if scaler.is_enabled():  # fp16 only; --precision, in the config, must match on resume
+                    state["scaler"] = scaler.state_dict()
                 # The line is printed once the epoch is on disk: after a restart, no epoch shows up twice.
                 checkpoints.save(state, line)
             elif rank == 0:
@@ -211,18 +215,16 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
 
 def main() -> None:
     args = parse_args()
-    if "LOCAL_RANK" not in os.environ:
+    launched = common.launcher_env()  # None without a launcher; one line if its variables are incomplete
+    if launched is None:
         common.die("start this script with torchrun, e.g. torchrun --standalone --nproc-per-node 2 singlenode_gpu.py")
     # torchrun sets these for every process it starts.
-    rank = int(os.environ["RANK"])
-    local_rank = int(os.environ["LOCAL_RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
-    common.check_world_size(world_size, args)
+    rank, local_rank, world_size = launched
+    common.check_sizes(args, world_size, procs_on_node=int(os.environ["LOCAL_WORLD_SIZE"]))
     common.check_gpus(int(os.environ["LOCAL_WORLD_SIZE"]), "--nproc-per-node", "singlenode_cpu.py")
 
     device = torch.device("cuda", local_rank)
-    # Before init_process_group: nccl binds each process to the current device, and without this
-    # every process would pile onto GPU 0.
+    # Before anything touches the GPU: without it every process would allocate on GPU 0.
     torch.cuda.set_device(device)
     # A stop signal ends this process at once, and so does torchrun's death (see common).
     common.exit_promptly_on_signals()
@@ -230,8 +232,9 @@ def main() -> None:
     timeout = timedelta(seconds=args.timeout)
     # store None: env:// reads MASTER_ADDR and MASTER_PORT from torchrun. Under torchrun's shared
     # store, each restart meets under keys of its own (common.torchrun_store says why).
+    # device_id binds this process's nccl communicator to its own GPU, and makes it at once.
     dist.init_process_group("nccl", store=common.torchrun_store(timeout), rank=rank, world_size=world_size,
-                            timeout=timeout)
+                            timeout=timeout, device_id=device)
     try:
         train(args, rank, local_rank, world_size, device)
     finally:

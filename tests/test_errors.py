@@ -331,3 +331,184 @@ def test_a_failed_checkpoint_write_stops_with_one_line_and_keeps_the_previous_fi
     with pytest.raises(SystemExit):
         checkpoints.close()
     assert capsys.readouterr().err == f"error: could not save checkpoint {missing}: No such file or directory\n"
+
+
+# Issue 8: every bad input, by class, one line per rank and nothing lost. Each table runs in this
+# process; each row names the script and its arguments, and the one line it must print.
+TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"}
+
+OPTIONS = {
+    "--timeout inf": (["singlenode_cpu.py", "--timeout", "inf"], "argument --timeout: must be from 1 to 1e+07, got"),
+    "--timeout 1e300": (["start_with_torchrun.py", "--timeout", "1e300"], "must be from 1 to 1e+07, got 1e300"),
+    "--timeout 1e-9": (["mp_spawn.py", "--timeout", "1e-9"], "argument --timeout: must be from 1 to 1e+07, got 1e-9"),
+    "comm script --timeout inf": (["comm_collectives.py", "--timeout", "inf"], "must be from 1 to 1e+07, got inf"),
+    "bench --timeout 0": (["bench_comm.py", "--timeout", "0"], "argument --timeout: must be from 1 to 1e+07, got 0"),
+    "--seed -1": (["singlenode_cpu.py", "--seed", "-1"], "argument --seed: must be from 0 to 9.22337e+18, got -1"),
+    "--seed 2**64": (["singlenode_cpu.py", "--seed", str(2**64)], f"must be from 0 to 9.22337e+18, got {2**64}"),
+    "--seed 1.5": (["singlenode_cpu.py", "--seed", "1.5"], "argument --seed: '1.5' is not an integer"),
+    "--lr inf": (["start_with_torchrun.py", "--lr", "inf"], "argument --lr: must be a positive finite number, got inf"),
+    "--port 70000": (["mp_spawn.py", "--port", "70000"], "argument --port: must be from 0 to 65535, got 70000"),
+    "--port -1": (["mp_spawn.py", "--port", "-1"], "argument --port: must be from 0 to 65535, got -1"),
+    "data too large for memory": (
+        ["start_with_torchrun.py", "--train_size", str(10**12)],
+        "--train_size 1000000000000 and --val_size 1024 on 1 process need 168,000,000,172,032 bytes of memory "
+        "and this machine has "),
+    "bench buffers too large for memory": (
+        ["bench_comm.py", "--max-bytes", "4096G"], "--max-bytes 4398046511104 for 6 operations on 1 process need "
+        "79,164,837,199,872 bytes of memory and this machine has "),
+}
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_every_numeric_option_has_a_range_and_says_so_in_one_line(name, monkeypatch):
+    argv, message = OPTIONS[name]
+    for variable, value in TORCHRUN_ENV.items():  # as torchrun would start the script
+        monkeypatch.setenv(variable, value)
+    code, _, stderr = run_main(*argv)
+    assert code == 2
+    errors = [line for line in stderr.splitlines() if "error:" in line]  # argparse adds its usage
+    assert len(errors) == 1 and message in errors[0], stderr
+    assert "Traceback" not in stderr
+
+
+def test_a_port_that_may_not_be_bound_is_one_line(monkeypatch, capsys):
+    def refuse(self, address):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+    monkeypatch.setattr(socket.socket, "bind", refuse)
+    with pytest.raises(SystemExit) as exit_info:
+        common.listen_on_loopback(80)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == ("error: cannot listen on port 80 of 127.0.0.1: Permission denied (ports "
+                                       "below 1024 need root): pass --port 0 to let the system pick a free one\n")
+
+
+def test_far_more_processes_than_cores_is_a_warning_in_one_line():
+    code, stdout, stderr = run_main("mp_spawn.py", "--nprocs", "100", "--train_size", "50")
+    assert stdout == (f"warning: 100 processes on {os.cpu_count()} CPU cores: each gets a fraction of a core, and "
+                      "starting them alone takes a while\n")
+    assert code == 2 and "100 ranks but only 50 training samples" in stderr  # and nothing was started
+
+
+def full_disk(fd):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+PATHS = {
+    # name: (how to make the place, the --checkpoint argument, the one line)
+    "empty": (None, "", "error: argument --checkpoint: is empty: name a file, or leave --checkpoint out"),
+    "ends in /": (None, "{tmp}/ckpt/", "error: argument --checkpoint: '{tmp}/ckpt/' ends in /, so it names a folder"),
+    "a directory": (lambda path: path.mkdir(), "{tmp}/ckpt.pt",
+                    "error: checkpoint {tmp}/ckpt.pt is a directory: name a file"),
+    "a FIFO": (lambda path: os.mkfifo(path), "{tmp}/ckpt.pt",
+               "error: checkpoint {tmp}/ckpt.pt is not a regular file (a FIFO, a socket or a device): name a file"),
+    "a full disk": (None, "{tmp}/ckpt.pt", "error: cannot write checkpoint {tmp}/ckpt.pt: No space left on device"),
+}
+
+
+@pytest.mark.parametrize("name", PATHS)
+def test_a_checkpoint_path_that_cannot_work_is_refused_at_start(name, tmp_path, monkeypatch):
+    make, argument, message = PATHS[name]
+    if make:
+        make(tmp_path / "ckpt.pt")
+    if name == "a full disk":
+        monkeypatch.setattr(os, "fsync", full_disk)  # the trial write at start meets it
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, stdout, stderr = run_main("start_with_torchrun.py", *SMALL, "--checkpoint", argument.format(tmp=tmp_path))
+    assert code == 2
+    errors = [line for line in stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message.format(tmp=tmp_path) in errors[0], stderr
+    assert "epoch 0 |" not in stdout  # refused before any training
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_a_symlinked_checkpoint_is_written_through_to_its_target(tmp_path):
+    (tmp_path / "real").mkdir()
+    target, link = tmp_path / "real" / "ckpt.pt", tmp_path / "ckpt.pt"
+    link.symlink_to(target)
+    for epochs in ("1", "2"):
+        code, stdout, stderr = run_main("start_with_torchrun.py", *SMALL, "--max_epochs", epochs,
+                                        "--checkpoint", str(link))
+        assert code == 0, stderr
+    assert "resuming from" in stdout
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert torch.load(target, weights_only=True)["epoch"] == 2
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["ckpt.pt", "ckpt.pt", "real"]
+
+
+def field(edit):
+    """Make ckpt.pt from the good checkpoint with `edit` applied to a copy of it."""
+    def prepare(path, good):
+        groups = [dict(group) for group in good["optimizer"]["param_groups"]]
+        state = {**good, "config": dict(good["config"]), "optimizer": {**good["optimizer"], "param_groups": groups}}
+        edit(state)
+        write(path, state)
+    return prepare
+
+
+def legacy(path, good) -> None:
+    torch.save(good, path, _use_new_zipfile_serialization=False)
+
+
+FIELDS = {
+    "epoch negative": (field(lambda s: s.update(epoch=-5)), "its epoch is -5, where a count of epochs done"),
+    "epoch a string": (field(lambda s: s.update(epoch="3")), "its epoch is '3', where a count of epochs done"),
+    "epoch a bool": (field(lambda s: s.update(epoch=True)), "its epoch is True, where a count of epochs done"),
+    "config without seed": (field(lambda s: s["config"].pop("seed")), "its config lacks seed"),
+    "config not a dict": (field(lambda s: s.update(config=[1, 2])), "its config lacks batch_size, lr, model"),
+    "world_size zero": (field(lambda s: s["config"].update(world_size=0)), "its config has world_size 0, where a"),
+    "model of numbers": (field(lambda s: s.update(model={"net.0.weight": 1.0})), "its model is not a state_dict"),
+    "optimizer not a dict": (field(lambda s: s.update(optimizer=[])), "its optimizer is not an optimizer's state_dict"),
+    "optimizer for other parameters": (
+        field(lambda s: s["optimizer"]["param_groups"][0].update(params=[0, 1])),
+        "its optimizer holds state for other parameters than this model's"),
+    "optimizer at another learning rate": (
+        field(lambda s: s["optimizer"]["param_groups"][0].update(lr=0.1)),
+        "its optimizer has learning rate 0.1, and the run --lr 0.005"),
+    "another precision": (
+        field(lambda s: s["config"].update(precision="fp16")),
+        "was written with --precision fp16, this run has --precision fp32"),
+    "the format before torch 1.6": (
+        legacy, "torch.save wrote it in the format of torch before 1.6, which has no checksums"),
+}
+
+
+@pytest.mark.parametrize("name", FIELDS)
+def test_every_checkpoint_field_is_checked_before_anything_is_loaded(name, good_checkpoint, tmp_path):
+    prepare, message = FIELDS[name]
+    path = tmp_path / "ckpt.pt"
+    prepare(path, good_checkpoint)
+    before = path.read_bytes()
+    code, stdout, stderr = run_main("start_with_torchrun.py", *SMALL, "--checkpoint", str(path))
+    assert code == 2
+    assert stderr.count("\n") == 1 and stderr.startswith("error: ") and message in stderr, stderr
+    assert "resuming" not in stdout and path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
+
+
+ENVIRONMENTS = {
+    # name: (variables over torchrun's, variables removed, the one line)
+    "LOCAL_RANK without the rest": ({}, ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"],
+                                    "LOCAL_RANK set but not RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: start this "
+                                    "script with torchrun"),
+    "RANK without LOCAL_RANK": ({}, ["LOCAL_RANK"], "but not LOCAL_RANK: start this script with torchrun"),
+    "no MASTER_ADDR": ({}, ["MASTER_ADDR"], "but not MASTER_ADDR: start this script with torchrun"),
+    "WORLD_SIZE=abc": ({"WORLD_SIZE": "abc"}, [], "WORLD_SIZE='abc' is not an integer: start this script with"),
+    "MASTER_PORT=abc": ({"MASTER_PORT": "abc"}, [], "MASTER_PORT='abc' is not an integer: start this script with"),
+    "RANK beyond WORLD_SIZE": ({"RANK": "4", "WORLD_SIZE": "2"}, [],
+                               "RANK=4, LOCAL_RANK=0 and WORLD_SIZE=2 do not fit together"),
+}
+
+
+@pytest.mark.parametrize("script", ["singlenode_cpu.py", "start_with_torchrun.py", "comm_intro.py"])
+@pytest.mark.parametrize("name", ENVIRONMENTS)
+def test_a_partial_or_malformed_launcher_environment_is_one_line(name, script, monkeypatch):
+    extra, removed, message = ENVIRONMENTS[name]
+    for variable, value in {**TORCHRUN_ENV, **extra}.items():
+        monkeypatch.setenv(variable, value)
+    for variable in removed:
+        monkeypatch.delenv(variable)
+    code, _, stderr = run_main(script, *SMALL if script != "comm_intro.py" else [])
+    assert code == 2
+    assert stderr.count("\n") == 1 and message in stderr, stderr

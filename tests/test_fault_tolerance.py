@@ -97,8 +97,8 @@ def test_a_stop_signal_keeps_the_checkpoint_whole_and_the_rerun_resumes(ddp_runs
     group.wait(timeout=3 + 10)  # the write in flight, then every process is gone
     assert time.monotonic() - stopped < 3 + 5
     stdout = group.stdout(0)
-    assert f"stopped by SIGTERM: every epoch printed above is saved in {checkpoint}; " \
-           "run the same command to resume" in stdout
+    assert f"rank 0 stopped by SIGTERM: every epoch printed above is saved in {checkpoint}, and the same " \
+           "command resumes from there" in stdout
     done = sorted(epoch_losses(stdout))
     assert done == list(range(len(done))) and len(done) >= 1  # the write in flight completed
     assert torch.load(checkpoint, weights_only=True)["epoch"] == len(done)
@@ -137,7 +137,7 @@ def test_one_job_per_checkpoint_and_no_orphans_when_torchrun_is_killed(tmp_path)
 
     os.kill(first.pid, signal.SIGKILL)  # torchrun alone: its worker lives in a session of its own
     group.wait(timeout=0.5 + 10)  # the worker notices, finishes its write, and is gone
-    assert f"stopped by SIGTERM: every epoch printed above is saved in {checkpoint}" in group.stdout(0)
+    assert f"rank 0 stopped by SIGTERM: every epoch printed above is saved in {checkpoint}" in group.stdout(0)
     assert torch.load(checkpoint, weights_only=True)["epoch"] >= saved_before + 1
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt")) == ["ckpt.pt"]
 
