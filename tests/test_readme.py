@@ -53,6 +53,15 @@ def sbatch_command() -> list[str]:
     return shlex.split(text.split("singlenode_gpu.py", 1)[1].splitlines()[0].replace('"$PWD/ckpt.pt"', "ckpt.pt"))
 
 
+def test_the_slurm_script_gives_torchrun_its_cpus_and_a_port_below_the_ephemeral_range():
+    text = (REPO / "multinode.sbatch").read_text()
+    assert 'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"' in text
+    port_line = next(line for line in text.splitlines() if line.startswith("port="))
+    for job_id in (0, 1, 9999, 10000, 123456789, 2**31 - 1):
+        port = run(["bash", "-c", f"SLURM_JOB_ID={job_id}; {port_line}; echo $port"]).stdout
+        assert 1024 <= int(port) < 32768, (job_id, port)
+
+
 def test_the_slurm_script_is_valid_bash_and_passes_options_the_script_accepts(monkeypatch):
     assert run(["bash", "-n", str(REPO / "multinode.sbatch")]).returncode == 0
     monkeypatch.setattr(sys, "argv", ["singlenode_gpu.py", *sbatch_command()])
