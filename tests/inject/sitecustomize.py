@@ -57,13 +57,14 @@ if _attempt < len(os.environ.get("KILL_AT", "").split(",")) and "KILL_AT" in os.
         if _chosen():
             threading.Thread(target=lambda: (threading.Event().wait(float(_count)), _die()), daemon=True).start()
     elif _kind == "save":
-        _fsync = os.fsync
+        _replace = os.replace
 
-        def fsync(fd: int) -> None:
-            _count_and_maybe_die()
-            _fsync(fd)
+        def replace(source, destination, **kwargs) -> None:
+            if str(source).endswith(".tmp"):  # a checkpoint written in full, not yet renamed into place
+                _count_and_maybe_die()
+            _replace(source, destination, **kwargs)
 
-        os.fsync = fsync
+        os.replace = replace
     else:
         import torch
         import torch.distributed
@@ -98,11 +99,12 @@ if _attempt < len(os.environ.get("KILL_AT", "").split(",")) and "KILL_AT" in os.
 if "SLOW_SAVE" in os.environ:
     import time
 
-    _fsync_fast = os.fsync
+    _replace_fast = os.replace
 
-    def fsync_slowly(fd: int) -> None:
-        print(f"[inject] a checkpoint write that takes {os.environ['SLOW_SAVE']} s longer", flush=True)
-        time.sleep(float(os.environ["SLOW_SAVE"]))
-        _fsync_fast(fd)
+    def replace_slowly(source, destination, **kwargs) -> None:
+        if str(source).endswith(".tmp"):  # the checkpoint is written: the rename waits
+            print(f"[inject] a checkpoint write that takes {os.environ['SLOW_SAVE']} s longer", flush=True)
+            time.sleep(float(os.environ["SLOW_SAVE"]))
+        _replace_fast(source, destination, **kwargs)
 
-    os.fsync = fsync_slowly
+    os.replace = replace_slowly
