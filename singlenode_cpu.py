@@ -9,9 +9,9 @@ mean loss over every sample of every rank, and the floor that the task allows.
     torchrun --standalone --nproc-per-node 4 singlenode_cpu.py --max_epochs 5 --checkpoint ckpt.pt
     torchrun --standalone --nproc-per-node 4 --max-restarts 3 singlenode_cpu.py --checkpoint ckpt.pt
 
---standalone makes torchrun pick a free port on this host instead of its default 29500. With
---max-restarts a dead worker costs at most the epoch in flight. The README explains restarts,
-stopping a run, and how to run on several nodes.
+--standalone asks torchrun for a rendezvous on a free port of this host (the README says what
+torch 2.13 does without it). With --max-restarts a dead worker costs at most the epoch in flight.
+The README explains restarts, stopping a run, and how to run on several nodes.
 """
 import argparse
 import math

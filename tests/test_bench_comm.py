@@ -1,5 +1,5 @@
 """bench_comm.py: the bandwidth arithmetic of nccl-tests, and a run at tiny sizes. No speed is asserted here:
-speed is what the benchmark prints (see BENCHMARKING.md)."""
+speed is what the benchmark prints, never a test's assertion."""
 import argparse
 import json
 import sys

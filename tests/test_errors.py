@@ -512,3 +512,12 @@ def test_a_partial_or_malformed_launcher_environment_is_one_line(name, script, m
     code, _, stderr = run_main(script, *SMALL if script != "comm_intro.py" else [])
     assert code == 2
     assert stderr.count("\n") == 1 and message in stderr, stderr
+
+
+def test_die_writes_its_line_in_one_write(monkeypatch):
+    """Two ranks' lines never run together: each is one write of the whole line."""
+    writes = []
+    monkeypatch.setattr(sys, "stderr", type("Recorder", (), {"write": writes.append, "flush": lambda self: None})())
+    with pytest.raises(SystemExit):
+        common.die("a line")
+    assert writes == ["error: a line\n"]
