@@ -6,6 +6,7 @@ Every distributed call (init_process_group, DDP, DistributedSampler, all_reduce,
 scripts, where the reader can see it.
 """
 import argparse
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -17,6 +18,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import zipfile
 from datetime import timedelta
 from typing import NoReturn
@@ -247,8 +249,14 @@ def torchrun_store(timeout: timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def exit_promptly_on_signals() -> None:
-    """End this process at once on SIGTERM or SIGINT, and on SIGTERM when its parent dies.
+# The process that started this one, recorded when this module is first imported: as early as the
+# scripts can, after the standard library and torch (about 1.5 s into a process's life).
+PARENT_AT_START = os.getppid()
+
+
+def exit_promptly_on_signals(launcher: int | None) -> None:
+    """End this process at once on SIGTERM or SIGINT, and on SIGTERM when `launcher` (the pid of
+    torchrun's agent or of mp_spawn.py's parent) dies. None: started by hand, by no launcher.
 
     torchrun passes a SIGTERM or SIGINT it receives (Ctrl-C; Slurm and Kubernetes send SIGTERM
     before they preempt a job) on to its workers, and sends SIGKILL 30 s later (its
@@ -259,14 +267,17 @@ def exit_promptly_on_signals() -> None:
     blocking calls are collectives with ranks that the same signal ends at once, so they fail at
     once and its handler runs. torchrun also starts each worker in a session of its own, so a
     `kill -9` of torchrun (or of mp_spawn.py) reaches no worker: orphans would train on, and rank 0
-    save, beside the job that a relaunch starts. Linux's parent-death signal ends them.
+    save, beside the job that a relaunch starts. Linux's parent-death signal ends them. A launcher
+    that died before the request was made is caught by its pid; for torchrun that is the parent
+    recorded at import, so an agent killed in the first second or so of a worker's life can
+    still leave it running, and its rank 0 holding the checkpoint's lock against a relaunch.
     """
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if sys.platform == "linux":
+    if launcher is not None and sys.platform == "linux":
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() == 1:  # the parent died before the prctl: no signal will come
+        if os.getppid() != launcher:  # it died before the request: no signal will come
             os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -314,6 +325,7 @@ class Checkpoints:
         self.pending: tuple[dict, list[str]] | None = None  # (state, lines to print once it is saved)
         self.error: str | None = None
         self.closing = False
+        self.writing = False  # a write, or the printing of its lines, is under way in the thread
         self.wakeup = threading.Condition()  # re-entrant: the signal handler may run inside save()
         self.thread: threading.Thread | None = None
         self.handlers = {}
@@ -357,7 +369,8 @@ class Checkpoints:
     def save(self, state: dict, line: str) -> None:
         """Queue `state` to be written (rank 0 only) and return at once; `line` is printed once it is on disk."""
         if self.error:
-            die(self.error, code=1)
+            error, self.error = self.error, None  # said once: close() will not say it again
+            die(error, code=1)
         state = _cpu_copy(state)  # training changes the tensors in place while the thread writes
         with self.wakeup:
             lines = self.pending[1] if self.pending else []
@@ -385,11 +398,11 @@ class Checkpoints:
         have ended the process. The state queued behind it, if any, is dropped with its lines."""
         for sig in self.handlers:
             signal.signal(sig, signal.SIG_IGN)  # one stop is enough; SIGKILL still ends it
-        with self.wakeup:
-            self.pending, self.closing = None, True
-            self.wakeup.notify()
-        if self.thread is not None:
-            self.thread.join()
+        # Neither the lock nor join(): this handler may run inside save() or close(), while this
+        # thread holds the lock that the writer takes between two writes.
+        self.pending = None
+        while self.writing:
+            time.sleep(0.01)
         self._unlock()
         # torchrun also sends this when another worker died and it is about to restart them all.
         print_line(f"rank 0 stopped by {signal.Signals(signum).name}: every epoch printed above is saved in "
@@ -404,13 +417,16 @@ class Checkpoints:
                 if self.pending is None:
                     return
                 (state, lines), self.pending = self.pending, None
+                self.writing = True
             try:
                 save_checkpoint(state, self.target)
             except Exception as exc:  # a full disk, a folder removed: the previous checkpoint is still whole
                 self.error = f"could not save checkpoint {self.path}: {getattr(exc, 'strerror', None) or exc}"
+                self.writing = False
                 return
             for line in lines:  # printed only now: after a crash and restart no epoch shows up twice
                 print_line(line)
+            self.writing = False
 
     def _check_path(self) -> None:
         folder = os.path.dirname(self.target)
@@ -440,7 +456,8 @@ class Checkpoints:
     def _lock(self) -> None:
         lock_path = f"{self.target}.lock"
         try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            # O_NOFOLLOW: a symbolic link here would have us write into whatever file it names.
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as exc:
             raise Unusable(f"cannot lock checkpoint {self.path}: {lock_path}: {exc.strerror}") from None
         try:
@@ -459,7 +476,10 @@ class Checkpoints:
 
     def _unlock(self) -> None:
         if self.lock_fd is not None:
-            os.remove(f"{self.target}.lock")  # while still holding it: see _lock
+            lock_path = f"{self.target}.lock"
+            with contextlib.suppress(OSError):  # gone with its folder, or removed by hand
+                if os.stat(lock_path).st_ino == os.fstat(self.lock_fd).st_ino:  # ours, not a newer job's
+                    os.remove(lock_path)  # while still holding it: see _lock
             os.close(self.lock_fd)
             self.lock_fd = None
 
@@ -470,7 +490,11 @@ class Checkpoints:
                 raw = f.read()  # read once: the checks and the load see the same bytes
         except OSError as exc:
             raise Unusable(f"cannot read checkpoint {self.path}: {exc.strerror}") from None
-        if not zipfile.is_zipfile(io.BytesIO(raw)):
+        try:
+            is_zip = zipfile.is_zipfile(io.BytesIO(raw))
+        except Exception:  # a damaged header fails in many ways
+            is_zip = False
+        if not is_zip:
             try:
                 torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
             except Exception:
@@ -481,12 +505,13 @@ class Checkpoints:
         try:
             # torch.load does not check the CRC32 that torch.save stores for every record, so a
             # flipped bit inside a tensor would load as a silently different weight.
-            damaged = zipfile.ZipFile(io.BytesIO(raw)).testzip()
-        except (zipfile.BadZipFile, OSError, EOFError) as exc:
-            damaged = str(exc)
+            record = zipfile.ZipFile(io.BytesIO(raw)).testzip()
+            damaged = f"{record} fails its CRC check" if record else None
+        except Exception as exc:  # a damaged directory fails in many ways: every one means damaged
+            damaged = f"its directory cannot be read: {type(exc).__name__}"
         if damaged:
             raise Unusable(f"cannot read checkpoint {self.path}: its bytes were damaged after it was written "
-                           f"({damaged} fails its CRC check)")
+                           f"({damaged})")
         try:
             # weights_only=True: a pickle can name any Python function to call while it loads, so a
             # crafted file would run code. This loader accepts tensors and plain containers only.
@@ -549,6 +574,11 @@ class Checkpoints:
         ids = {index for group in groups for index in group["params"]}
         if not set(saved["state"]) <= ids or not all(isinstance(v, dict) for v in saved["state"].values()):
             raise bad("optimizer", "holds state for parameters it does not list")
+
+
+def all_finite(model: torch.nn.Module) -> bool:
+    """Whether every parameter is finite (one synchronisation with the device, not one per tensor)."""
+    return bool(torch.stack([param.isfinite().all() for param in model.parameters()]).all())
 
 
 def _cpu_copy(value):

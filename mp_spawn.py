@@ -169,13 +169,16 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
             # forward through the DDP wrapper may wait for the other ranks.
             val_totals = evaluate(model.module, val_loader, device)
             train_loss, val_loss = epoch_means((loss_sum, samples), val_totals, device)
-            if not math.isfinite(train_loss):
-                # The all-reduced loss is the same on every rank, so every rank stops here, before rank 0
-                # could save the ruined weights over the last good checkpoint; and every rank takes part
-                # in this all_reduce, which finds the first step at which any rank's loss went bad.
+            if not (math.isfinite(train_loss + val_loss) and common.all_finite(model.module)):
+                # The all-reduced losses and the replicas' weights are the same on every rank, so every
+                # rank stops here, before rank 0 could save the ruined weights over the last good
+                # checkpoint; and every rank takes part in this all_reduce, which finds the first step
+                # at which any rank's loss went bad (the last, if only the weights did).
                 dist.all_reduce(finite_steps, op=dist.ReduceOp.MIN)
-                common.die(f"the training loss became {train_loss} in epoch {epoch} at step {finite_steps.item()}: "
-                           "stopped before saving (a learning rate too high, or weights that were not finite)", code=1)
+                step = min(finite_steps.item() + 1, len(train_loader))
+                common.die(f"the loss or the weights stopped being finite in epoch {epoch}, by step {step} of "
+                           f"{len(train_loader)}: stopped before saving (a learning rate too high, or weights that "
+                           "were not finite in the checkpoint)", code=1)
             line = f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}"
             if rank == 0 and checkpoints:
                 # .module unwraps DDP so the keys carry no "module." prefix and load into a plain model.
@@ -200,10 +203,10 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
     return model.module
 
 
-def worker(rank: int, world_size: int, store_port: int, args: argparse.Namespace) -> None:
+def worker(rank: int, world_size: int, store_port: int, parent: int, args: argparse.Namespace) -> None:
     """Runs in each spawned process; mp.spawn passes the rank (0..nprocs-1) as the first argument."""
     # A stop signal ends this process at once, and so does the parent's death (see common).
-    common.exit_promptly_on_signals()
+    common.exit_promptly_on_signals(launcher=parent)
     if torch.cuda.is_available():
         device = torch.device("cuda", rank)  # one node, so the rank is also the local rank
         torch.cuda.set_device(device)  # before anything touches the GPU, or every process would use GPU 0
@@ -246,7 +249,10 @@ def main() -> None:
     # Python error comes back with the worker's own traceback; a worker that died otherwise (a
     # signal, or an exit after printing its own error) gets one line.
     try:
-        mp.spawn(worker, args=(args.nprocs, store.port, args), nprocs=args.nprocs, join=True)
+        mp.spawn(worker, args=(args.nprocs, store.port, os.getpid(), args), nprocs=args.nprocs, join=True)
+    except KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal's group: each stops itself
+        in_flight = ": rank 0 finishes its checkpoint write in flight" if args.checkpoint else ""
+        common.die(f"stopped by Ctrl-C{in_flight}", code=130)
     except mp.ProcessExitedException as exc:
         how = f"was killed by signal {exc.signal_name}" if exc.signal_name else f"exited with code {exc.exit_code}"
         common.die(f"rank {exc.error_index} {how}; mp.spawn stopped the other processes", code=1)

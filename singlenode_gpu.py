@@ -180,13 +180,16 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
             # forward through the DDP wrapper may wait for the other ranks.
             val_totals = evaluate(model.module, val_loader, device, dtype)
             train_loss, val_loss = epoch_means((loss_sum, samples), val_totals, device)
-            if not math.isfinite(train_loss):
-                # The all-reduced loss is the same on every rank, so every rank stops here, before rank 0
-                # could save the ruined weights over the last good checkpoint; and every rank takes part
-                # in this all_reduce, which finds the first step at which any rank's loss went bad.
+            if not (math.isfinite(train_loss + val_loss) and common.all_finite(model.module)):
+                # The all-reduced losses and the replicas' weights are the same on every rank, so every
+                # rank stops here, before rank 0 could save the ruined weights over the last good
+                # checkpoint; and every rank takes part in this all_reduce, which finds the first step
+                # at which any rank's loss went bad (the last, if only the weights did).
                 dist.all_reduce(finite_steps, op=dist.ReduceOp.MIN)
-                common.die(f"the training loss became {train_loss} in epoch {epoch} at step {finite_steps.item()}: "
-                           "stopped before saving (a learning rate too high, or weights that were not finite)", code=1)
+                step = min(finite_steps.item() + 1, len(train_loader))
+                common.die(f"the loss or the weights stopped being finite in epoch {epoch}, by step {step} of "
+                           f"{len(train_loader)}: stopped before saving (a learning rate too high, or weights that "
+                           "were not finite in the checkpoint)", code=1)
             line = f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}"
             if rank == 0 and checkpoints:
                 # .module unwraps DDP so the keys carry no "module." prefix and load into a plain model.
@@ -227,7 +230,7 @@ def main() -> None:
     # Before anything touches the GPU: without it every process would allocate on GPU 0.
     torch.cuda.set_device(device)
     # A stop signal ends this process at once, and so does torchrun's death (see common).
-    common.exit_promptly_on_signals()
+    common.exit_promptly_on_signals(launcher=common.PARENT_AT_START)
 
     timeout = timedelta(seconds=args.timeout)
     # store None: env:// reads MASTER_ADDR and MASTER_PORT from torchrun. Under torchrun's shared

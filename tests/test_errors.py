@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from datetime import timedelta
 
 import pytest
@@ -137,14 +138,19 @@ def test_an_unusable_checkpoint_stops_the_run_and_is_left_as_it_was(name, good_c
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]  # and nothing ran or was written
 
 
-def test_a_loss_that_is_not_finite_stops_the_run_before_it_is_saved(tmp_path):
-    """--lr 1e30: the first step is finite, the second overflows. The run stops at the end of the
-    epoch, names where the loss went bad, and saves nothing."""
+@pytest.mark.parametrize("train_size, step", [
+    (64, "step 2 of 2"),  # the loss of the second step overflows
+    (32, "step 1 of 1"),  # the one step's loss is finite, the weights it leaves are not usable
+])
+def test_a_loss_or_weights_that_are_not_finite_stop_the_run_before_they_are_saved(train_size, step, tmp_path):
+    """--lr 1e30: the first step's loss is finite, the weights after it are about 1e30. The run stops
+    at the end of the epoch, says by which step, and saves nothing."""
     path = tmp_path / "ckpt.pt"
-    code, stdout, stderr = run_main("start_with_torchrun.py", *SMALL, "--lr", "1e30", "--checkpoint", str(path))
+    code, stdout, stderr = run_main("start_with_torchrun.py", *SMALL, "--train_size", str(train_size),
+                                    "--lr", "1e30", "--checkpoint", str(path))
     assert code == 1
-    assert stderr == ("error: the training loss became inf in epoch 0 at step 1: stopped before saving "
-                      "(a learning rate too high, or weights that were not finite)\n")
+    assert stderr == (f"error: the loss or the weights stopped being finite in epoch 0, by {step}: stopped before "
+                      "saving (a learning rate too high, or weights that were not finite in the checkpoint)\n")
     assert "epoch 0 |" not in stdout
     assert list(tmp_path.iterdir()) == []  # no checkpoint, no lock left
 
@@ -521,3 +527,121 @@ def test_die_writes_its_line_in_one_write(monkeypatch):
     with pytest.raises(SystemExit):
         common.die("a line")
     assert writes == ["error: a line\n"]
+
+
+def test_a_lock_file_that_is_a_symlink_is_refused_and_its_target_untouched(tmp_path):
+    important = tmp_path / "important.txt"
+    important.write_text("keep me")
+    (tmp_path / "ckpt.pt.lock").symlink_to(important)
+    code, _, stderr = run_main("start_with_torchrun.py", *SMALL, "--checkpoint", str(tmp_path / "ckpt.pt"))
+    assert code == 2
+    assert stderr == f"error: cannot lock checkpoint {tmp_path}/ckpt.pt: {tmp_path}/ckpt.pt.lock: " \
+                     "Too many levels of symbolic links\n"
+    assert important.read_text() == "keep me" and (tmp_path / "ckpt.pt.lock").is_symlink()
+
+
+def test_no_flipped_bit_anywhere_in_a_checkpoint_loads_or_escapes_as_a_traceback(good_checkpoint, tmp_path):
+    """One bit flipped at a few hundred places spread over the file, the zip directory included:
+    each is refused as an Unusable with one line. torch.load alone loads many of them."""
+    path = tmp_path / "ckpt.pt"
+    write(path, good_checkpoint)
+    data = path.read_bytes()
+    model = build_model("mlp")
+    checkpoints = common.Checkpoints(str(path), rank=0)
+    for at in range(0, len(data), max(1, len(data) // 300)):
+        damaged = bytearray(data)
+        damaged[at] ^= 1 << (at % 8)
+        path.write_bytes(bytes(damaged))
+        try:
+            checkpoint, _ = checkpoints._read(torch.device("cpu"))
+            optimizer = torch.optim.Adam(model.parameters(), lr=good_checkpoint["config"]["lr"])
+            checkpoints._validate(checkpoint, good_checkpoint["config"], model, optimizer)
+        except common.Unusable as unusable:
+            assert "\n" not in str(unusable) and str(path) in str(unusable)
+            continue
+        # Read and valid: then the bit was in bytes that change nothing, and the weights are the same.
+        for name, tensor in good_checkpoint["model"].items():
+            assert torch.equal(checkpoint["model"][name], tensor), (at, name)
+
+
+def test_a_write_that_fails_is_said_once_and_a_folder_gone_mid_run_is_one_line(good_checkpoint, tmp_path,
+                                                                                monkeypatch):
+    """The writer fails on epoch 0's state; the next save stops the run with its line, and close()
+    in the `finally` does not say it again. Then the folder vanishes under a job that holds the lock."""
+    def disk_full(state, path):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(common, "save_checkpoint", disk_full)
+    code, stdout, stderr = run_main("start_with_torchrun.py", *SMALL, "--max_epochs", "3",
+                                    "--checkpoint", str(tmp_path / "ckpt.pt"))
+    assert code == 1 and stderr == f"error: could not save checkpoint {tmp_path}/ckpt.pt: No space left on device\n"
+    monkeypatch.undo()
+
+    folder = tmp_path / "gone"
+    folder.mkdir()
+    checkpoints = common.Checkpoints(str(folder / "ckpt.pt"), rank=0)
+    model = build_model("mlp")
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.005)
+    assert checkpoints.load(torch.device("cpu"), good_checkpoint["config"], model, optimizer)[0] is None
+    assert (folder / "ckpt.pt.lock").exists()
+    for child in folder.iterdir():
+        child.unlink()
+    folder.rmdir()
+    checkpoints.save(good_checkpoint, "epoch 0 | ...")
+    with pytest.raises(SystemExit) as exit_info:
+        checkpoints.close()
+    assert exit_info.value.code == 1
+
+
+STOP_INSIDE_SAVE = """
+import os, signal, sys, time
+import common
+path = sys.argv[1]
+checkpoints = common.Checkpoints(path, rank=0)
+slow = common.save_checkpoint
+def slowly(state, target):
+    time.sleep(1)
+    slow(state, target)
+common.save_checkpoint = slowly
+checkpoints.save({"epoch": 1}, "epoch 0 | saved")
+time.sleep(0.2)  # the write is in flight
+notify = checkpoints.wakeup.notify
+def notify_then_stop():
+    os.kill(os.getpid(), signal.SIGTERM)  # the handler runs while save() holds the lock
+    notify()
+checkpoints.wakeup.notify = notify_then_stop
+checkpoints.save({"epoch": 2}, "epoch 1 | queued")
+time.sleep(30)
+"""
+
+
+def test_a_stop_signal_inside_save_waits_for_the_write_and_ends(tmp_path):
+    """The handler runs in the main thread, which may hold the lock the writer thread takes between
+    writes: it must neither take that lock nor join the thread, or both wait for ever."""
+    path = tmp_path / "ckpt.pt"
+    started = time.monotonic()
+    result = run([sys.executable, "-c", STOP_INSIDE_SAVE, str(path)], timeout=20)
+    assert result.returncode == 128 + signal.SIGTERM
+    assert time.monotonic() - started < 10
+    assert result.stdout.splitlines()[-2:] == [
+        "epoch 0 | saved",
+        f"rank 0 stopped by SIGTERM: every epoch printed above is saved in {path}, and the same command resumes "
+        "from there"]
+    assert torch.load(path, weights_only=True) == {"epoch": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
+
+
+@pytest.mark.parametrize("launcher, alive", [("None", True), ("os.getppid()", True), ("os.getppid() + 10**6", False)])
+def test_only_a_launched_process_follows_its_launcher(launcher, alive):
+    """The parent-death signal is asked for only under a launcher (a backgrounded `python
+    start_with_torchrun.py` outlives its shell), and a launcher already gone ends the process."""
+    code = ("import ctypes, os, signal, common\n"
+            f"common.exit_promptly_on_signals(launcher={launcher})\n"
+            "found = ctypes.c_int()\n"
+            "ctypes.CDLL(None).prctl(2, ctypes.byref(found))  # PR_GET_PDEATHSIG\n"
+            "print(found.value)\n")
+    result = run([sys.executable, "-c", code], timeout=30)
+    if alive:
+        assert result.returncode == 0 and int(result.stdout) == (0 if launcher == "None" else signal.SIGTERM)
+    else:
+        assert result.returncode == -signal.SIGTERM

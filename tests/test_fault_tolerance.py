@@ -206,8 +206,9 @@ def test_non_finite_weights_in_a_checkpoint_stop_every_rank_and_the_file_stays(t
     codes, _, stdouts, stderrs = run_ranks(train_script, 3, "singlenode_cpu", [*ARGV, "--checkpoint", str(path)],
                                            timeout=60)
     assert codes == [1, 1, 1]
-    assert stderrs == ["error: the training loss became nan in epoch 1 at step 0: stopped before saving "
-                       "(a learning rate too high, or weights that were not finite)\n"] * 3
+    assert stderrs == ["error: the loss or the weights stopped being finite in epoch 1, by step 1 of 15: stopped "
+                       "before saving (a learning rate too high, or weights that were not finite in the "
+                       "checkpoint)\n"] * 3
     assert "epoch 1 |" not in stdouts[0]
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
