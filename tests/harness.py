@@ -16,6 +16,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+# Before any process group exists, as in every script: common imports torch.distributed.nn, whose
+# defaults would otherwise hold the group into interpreter shutdown, where gloo can abort (SIGABRT).
+import common  # noqa: F401
+
 
 def _worker(fn: Callable, rank: int, world_size: int, folder: str, timeout: float, args: tuple) -> None:
     sys.stdout = open(os.path.join(folder, f"stdout{rank}.txt"), "w", buffering=1)  # noqa: SIM115
