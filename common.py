@@ -42,6 +42,11 @@ def die(message: str, code: int = 2) -> NoReturn:
     Written in one write, as print_line does, so that two ranks' lines never run together."""
     sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()
+    # A stop right after a collective: gloo's worker threads still let go of its tensors, which
+    # takes the GIL. Exiting at once can destroy the process group (holding the GIL, joining those
+    # threads) while one of them waits for the GIL: both wait for ever (torch 2.13, one run in four
+    # in tests/test_fault_tolerance.py's non-finite test). Sleeping releases the GIL a moment first.
+    time.sleep(0.05)
     sys.exit(code)
 
 
