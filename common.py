@@ -195,7 +195,7 @@ def check_memory(needed: int, what: str) -> None:
 def launcher_env() -> tuple[int, int, int] | None:
     """(rank, local rank, world size) from the variables a launcher sets, or None if none is set.
     A partial or malformed set (a hand-made environment, a launcher of another kind) is one line."""
-    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     present = [name for name in names if name in os.environ]
     if not present:
         return None
@@ -204,14 +204,15 @@ def launcher_env() -> tuple[int, int, int] | None:
     if missing:
         die(f"{', '.join(present)} set but not {', '.join(missing)}: {how}")
     values = {}
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
         try:
             values[name] = int(os.environ[name])
         except ValueError:
             die(f"{name}={os.environ[name]!r} is not an integer: {how}")
-    if not 0 <= values["RANK"] < values["WORLD_SIZE"] or values["LOCAL_RANK"] < 0:
-        die(f"RANK={values['RANK']}, LOCAL_RANK={values['LOCAL_RANK']} and WORLD_SIZE={values['WORLD_SIZE']} "
-            f"do not fit together: {how}")
+    if not (0 <= values["RANK"] < values["WORLD_SIZE"] and 0 <= values["LOCAL_RANK"] < values["LOCAL_WORLD_SIZE"]
+            <= values["WORLD_SIZE"]):
+        die(f"RANK={values['RANK']}, LOCAL_RANK={values['LOCAL_RANK']}, WORLD_SIZE={values['WORLD_SIZE']} and "
+            f"LOCAL_WORLD_SIZE={values['LOCAL_WORLD_SIZE']} do not fit together: {how}")
     if not 0 < values["MASTER_PORT"] <= 65535 or not os.environ["MASTER_ADDR"].strip():
         die(f"MASTER_ADDR={os.environ['MASTER_ADDR']!r} and MASTER_PORT={os.environ['MASTER_PORT']} are not an "
             f"address and a port: {how}")

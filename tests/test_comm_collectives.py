@@ -104,7 +104,8 @@ def test_plain_python_says_how_to_launch():
 def test_nccl_without_a_gpu_is_one_clear_line():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    torchrun_env = {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    torchrun_env = {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     result = python("comm_collectives.py", "--backend", "nccl", env=torchrun_env)
     assert result.returncode == 2
     assert result.stderr.strip() == ("error: --backend nccl needs CUDA GPUs and this machine has none: "

@@ -497,15 +497,16 @@ def test_every_checkpoint_field_is_checked_before_anything_is_loaded(name, good_
 
 ENVIRONMENTS = {
     # name: (variables over torchrun's, variables removed, the one line)
-    "LOCAL_RANK without the rest": ({}, ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"],
-                                    "LOCAL_RANK set but not RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: start this "
-                                    "script with torchrun"),
+    "LOCAL_RANK without the rest": ({}, ["RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"],
+                                    "LOCAL_RANK set but not RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, "
+                                    "MASTER_PORT: start this script with torchrun"),
+    "no LOCAL_WORLD_SIZE": ({}, ["LOCAL_WORLD_SIZE"], "but not LOCAL_WORLD_SIZE: start this script with torchrun"),
     "RANK without LOCAL_RANK": ({}, ["LOCAL_RANK"], "but not LOCAL_RANK: start this script with torchrun"),
     "no MASTER_ADDR": ({}, ["MASTER_ADDR"], "but not MASTER_ADDR: start this script with torchrun"),
     "WORLD_SIZE=abc": ({"WORLD_SIZE": "abc"}, [], "WORLD_SIZE='abc' is not an integer: start this script with"),
     "MASTER_PORT=abc": ({"MASTER_PORT": "abc"}, [], "MASTER_PORT='abc' is not an integer: start this script with"),
     "RANK beyond WORLD_SIZE": ({"RANK": "4", "WORLD_SIZE": "2"}, [],
-                               "RANK=4, LOCAL_RANK=0 and WORLD_SIZE=2 do not fit together"),
+                               "RANK=4, LOCAL_RANK=0, WORLD_SIZE=2 and LOCAL_WORLD_SIZE=1 do not fit together"),
 }
 
 
