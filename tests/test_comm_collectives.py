@@ -7,7 +7,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  before the spawned ranks make their group, as comm_collectives.main() does
 import torch.distributed as dist
 from harness import spawn
 from launch import REPO, check, python, torchrun

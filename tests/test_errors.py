@@ -568,7 +568,7 @@ def test_no_flipped_bit_anywhere_in_a_checkpoint_loads_or_escapes_as_a_traceback
 
 
 def test_a_write_that_fails_is_said_once_and_a_folder_gone_mid_run_is_one_line(good_checkpoint, tmp_path,
-                                                                                monkeypatch):
+                                                                                monkeypatch, capsys):
     """The writer fails on epoch 0's state; the next save stops the run with its line, and close()
     in the `finally` does not say it again. Then the folder vanishes under a job that holds the lock."""
     def disk_full(state, path):
@@ -590,10 +590,13 @@ def test_a_write_that_fails_is_said_once_and_a_folder_gone_mid_run_is_one_line(g
     for child in folder.iterdir():
         child.unlink()
     folder.rmdir()
+    capsys.readouterr()
     checkpoints.save(good_checkpoint, "epoch 0 | ...")
     with pytest.raises(SystemExit) as exit_info:
         checkpoints.close()
     assert exit_info.value.code == 1
+    assert capsys.readouterr() == ("", f"error: could not save checkpoint {folder}/ckpt.pt: No such file or "
+                                       "directory\n")  # and no FileNotFoundError from releasing the lock
 
 
 STOP_INSIDE_SAVE = """
