@@ -502,3 +502,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    common.exit_now()  # skips the interpreter's teardown of torch (see common)

@@ -50,6 +50,17 @@ def die(message: str, code: int = 2) -> NoReturn:
     sys.exit(code)
 
 
+def exit_now() -> NoReturn:
+    """Exit with status 0 at once, once main() has returned: everything is saved, every file closed,
+    the process group destroyed. The interpreter's own teardown of torch (about 2,000 modules once an
+    optimizer has imported torch._dynamo) costs 0.8 s of CPU per process: 3 s of wall time for 8
+    processes on 2 cores. The exit handlers it skips have nothing to do here (logging, DataLoader
+    workers, torch.compile statistics); an exception or die() never gets this far."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def print_line(text: str) -> None:
     """Print one line in a single write. print() writes the text and the newline separately, and
     torchrun runs Python unbuffered, so lines from several ranks would otherwise run together."""

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 # Before any process group exists, as in every script: common imports torch.distributed.nn, whose
 # defaults would otherwise hold the group into interpreter shutdown, where gloo can abort (SIGABRT).
-import common  # noqa: F401
+import common
 
 
 def _worker(fn: Callable, rank: int, world_size: int, folder: str, timeout: float, args: tuple) -> None:
@@ -35,6 +35,7 @@ def _worker(fn: Callable, rank: int, world_size: int, folder: str, timeout: floa
         dist.barrier()  # no rank tears its connections down while a peer still uses them
     finally:
         dist.destroy_process_group()
+    common.exit_now()  # as the scripts end: the interpreter's teardown of torch is a second of CPU
 
 
 def _read(folder: str, name: str) -> str:
