@@ -8,6 +8,8 @@ from launch import check, epoch_losses, python, run, torchrun
 from reference import train_reference
 from test_train import parse
 
+from data import LOSS_FLOOR
+
 LAUNCH = [sys.executable, "-m", "torch.distributed.launch", "--standalone", "--nproc-per-node", "2"]
 LAUNCHES = {
     "singlenode_cpu.py under torchrun": lambda ckpt: torchrun(2, "singlenode_cpu.py", *ARGV, "--checkpoint", ckpt),
@@ -62,5 +64,24 @@ def test_start_with_torchrun_without_a_launcher_trains_as_one_process():
 def test_singlenode_gpu_trains_on_one_gpu(precision):
     stdout = check(torchrun(1, "singlenode_gpu.py", "--max_epochs", "5", "--precision", precision))
     losses = list(epoch_losses(stdout).values())
-    assert len(losses) == 5 and losses[-1][1] < 0.5 * losses[0][1]
+    # One rank takes 128 steps an epoch: the validation loss is near the floor after the first.
+    assert len(losses) == 5 and losses[-1][0] < losses[0][0] and losses[-1][1] < 1.1 * LOSS_FLOOR
     assert "device cuda:0" in stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_singlenode_gpu_resumes_as_if_never_stopped(tmp_path, precision):
+    """On a GPU too, 2 epochs and a resume to 4 end where 4 straight epochs end. In fp16 the checkpoint
+    also carries the GradScaler's scale, without which the resumed steps would differ."""
+    straight, resumed = tmp_path / "straight.pt", tmp_path / "resumed.pt"
+    precision_args = ["--precision", precision]
+    full = epoch_losses(check(torchrun(1, "singlenode_gpu.py", *precision_args, "--max_epochs", "4",
+                                       "--checkpoint", str(straight))))
+    check(torchrun(1, "singlenode_gpu.py", *precision_args, "--max_epochs", "2", "--checkpoint", str(resumed)))
+    rest = epoch_losses(check(torchrun(1, "singlenode_gpu.py", *precision_args, "--max_epochs", "4",
+                                       "--checkpoint", str(resumed))))
+    assert sorted(rest) == [2, 3] and all(rest[epoch] == full[epoch] for epoch in (2, 3))
+    a, b = (torch.load(path, weights_only=True, map_location="cpu") for path in (straight, resumed))
+    assert all(torch.equal(a["model"][key], b["model"][key]) for key in a["model"])
+    assert ("scaler" in a) == (precision == "fp16")
