@@ -8,7 +8,7 @@ import pytest
 from launch import DONE_LINE, EPOCH_LINE, REPO, check, epoch_losses, run
 
 README = (REPO / "README.md").read_text()
-SCRIPTS = ["singlenode_cpu", "singlenode_gpu", "mp_spawn", "start_with_torchrun"]
+SCRIPTS = ["singlenode_cpu", "singlenode_gpu", "mp_spawn", "start_with_torchrun", "bench_ddp"]
 
 
 def quick_start() -> list[str]:
