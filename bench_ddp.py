@@ -42,10 +42,11 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
-from data import make_datasets
+from data import FEATURES, make_datasets
 from model import MODELS, build_model
 
 ACCUMULATION = 4  # micro-batches per optimizer step in the accumulation rows
+VAL_SIZE = 1024  # validation samples, for the loss after the knobs' steps
 TRACE_STEPS = 3
 PLOT_EXTRA = "pip install -r requirements-plot.txt"
 ONE_RANK = ("plain", "one rank")  # the configurations that run on rank 0 alone
@@ -283,6 +284,13 @@ def data_parallel_gpus(world_size: int) -> str | None:
     return None
 
 
+def dataset_bytes(world_size: int, most: int) -> int:
+    """What measure() allocates for the data on each process: every rank draws the whole training set
+    (2 batches of the largest size per rank) before it keeps its shard, float32 features and target,
+    and about as much again while they are drawn."""
+    return (world_size * most * 2 + VAL_SIZE) * (FEATURES + 1) * 4 * 2
+
+
 def launch_time() -> float | None:
     """When torchrun started, as a wall-clock time: its workers are its own children, so this is the
     start of this process's parent. None where the parent is not a torchrun agent."""
@@ -306,7 +314,7 @@ def measure(args: argparse.Namespace, rank: int, world_size: int, device: torch.
     that takes one step of the default configuration (for the trace)."""
     joined = time.time()
     most = max(*args.batch_sizes, args.batch_size * world_size)
-    train_set, val_set = make_datasets(train_size=world_size * most * 2, val_size=1024)
+    train_set, val_set = make_datasets(train_size=world_size * most * 2, val_size=VAL_SIZE)
     # This rank's shard, on the device before any clock starts.
     x_train, y_train = (t[rank::world_size].to(device) for t in train_set.tensors)
     x_val, y_val = (t.to(device) for t in val_set.tensors)
@@ -709,10 +717,22 @@ def main() -> None:
         device = torch.device("cpu")
         # Every process gets its share of the cores, one rank alone as many as each of N side by side.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // procs_on_node))
+    # Everything that could fail at the end is checked before the measuring starts.
+    most = max(*args.batch_sizes, args.batch_size * world_size)
+    common.check_memory(dataset_bytes(world_size, most) * procs_on_node,
+                        f"batches of {most} samples per rank on {procs_on_node} process(es)")
     if args.trace:
-        os.makedirs(args.trace, exist_ok=True)
+        try:
+            os.makedirs(args.trace, exist_ok=True)
+        except OSError as exc:
+            common.die(f"--trace {args.trace}: cannot create the folder: {exc.strerror}")
+        if not os.access(args.trace, os.W_OK):
+            common.die(f"--trace {args.trace}: the folder is not writable")
     if args.plot:
-        import_pyplot()  # before an hour of measuring, not after
+        import_pyplot()
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            common.die(f"--plot {args.plot}: {folder} is not a writable folder")
     launched_at = launch_time()
     common.exit_promptly_on_signals(launcher=common.PARENT_AT_START)
     timeout = timedelta(seconds=args.timeout)
