@@ -1,9 +1,11 @@
-"""What DDP buys and what it costs, measured in one run: its overhead at one rank, weak scaling over a
-sweep of batch sizes, how much of the all-reduce hides behind backward, and DDP's tuning knobs.
+"""What DDP buys and what it costs, measured in one run.
 
-Every figure is a step time measured beside its reference in the same run: the configurations take turns,
-round after round (a slow moment of a shared machine then hits all of them alike), and each figure is
-computed within a round, then reported as the median over the rounds with the min and the max. A step
+Its overhead at one rank, weak scaling over a sweep of batch sizes, how much of the all-reduce hides
+behind backward, and DDP's tuning knobs. Every figure is a step time measured beside its reference in
+the same run: the configurations take turns, round after round (a slow moment of a shared machine then
+hits all of them alike), and each figure is computed within a round, then reported as the median over
+the rounds with the min and the max. So a figure is not the ratio of the median times printed beside
+it, which come from different rounds; --json gives every round's times. A step
 takes as long as its slowest rank. "One rank" runs on rank 0 alone while the other ranks wait at a
 barrier; "all ranks" runs on every rank. The batches are drawn before timing: no data loading is measured.
 
@@ -53,7 +55,8 @@ ONE_RANK = ("plain", "one rank")  # the configurations that run on rank 0 alone
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument(
         "--backend", choices=("gloo", "nccl"), default="nccl" if torch.cuda.is_available() else "gloo",
         help="gloo for CPUs, nccl for one GPU per process; default: nccl if CUDA is available",
@@ -79,7 +82,7 @@ def parse_args() -> argparse.Namespace:
                         help="seconds a collective waits for a peer before the process group gives up")
     parser.add_argument("--startup", type=common.positive_int, metavar="N",
                         help="with plain python: time torchrun jobs of N workers against the two floors")
-    parser.add_argument("--floor", choices=("join", "step"), help="the worker of --startup's floor jobs")
+    parser.add_argument("--floor", choices=("join", "step"), help=argparse.SUPPRESS)  # --startup's workers
     args = parser.parse_args()
     if args.warmup < 2:
         parser.error("--warmup must be 2 or more: DDP lays out its buckets in the first steps, "
@@ -346,6 +349,9 @@ def measure(args: argparse.Namespace, rank: int, world_size: int, device: torch.
         return (time.perf_counter() - start) / steps
 
     configs = plan(args, world_size, device)
+    if rank == 0:  # minutes of silence otherwise
+        sys.stderr.write(f"bench_ddp.py: {len(configs)} configurations, {args.warmup} warm-up steps each, then "
+                         f"{args.rounds} rounds of {args.steps} timed steps\n")
     run("all ranks", args.batch_sizes[0], 1)
     first_step = time.time()
     for _, name, size in configs:  # warm-up: DDP lays out its buckets, PowerSGD starts compressing
@@ -427,7 +433,7 @@ def measure(args: argparse.Namespace, rank: int, world_size: int, device: torch.
                "step_ms": ms(by_key[name]), "loss": losses[name], "loss_vs_default": losses[name] / losses["default"],
                "optimizer_steps": steps_taken[name]}
         if name.startswith("PowerSGD") and device.type == "cpu":
-            row["note"] = "one bucket (see build_variants)"
+            row["note"] = "one bucket (gloo: see build_variants)"
         if variants[name].micro_batches > 1:  # counted by the hook on the last step
             row["all_reduces_per_step"] = len(variants[name].bucket_sizes)
             row["buckets"] = len(bucket_bytes)
@@ -478,15 +484,17 @@ def print_tables(report: dict) -> None:
          f"gradients in {len(report['bucket_bytes'])} buckets), {report['rounds']} rounds × {report['steps']} "
          f"timed steps ({report['warmup']} warm-up) per configuration")
     line(f"# {report['machine']}")
-    line("# figures: median [min, max] over the rounds; times in ms per optimizer step, the slowest rank's")
+    line("# a figure: median [min, max] over the rounds of the figure computed within each round; a time: the median "
+         "over the rounds of ms per optimizer step, the slowest rank's. Medians of different rounds: a figure is not "
+         "the ratio of the medians beside it")
 
     def fig(s: dict, form: str = "{:.3f}") -> str:
         return f"{form.format(s['median'])} [{form.format(s['min'])}, {form.format(s['max'])}]"
 
     step = report["step_ms"]
     line(f"overhead of DDP at one rank, batch {b}: {fig(report['overhead'], '{:.1%}')} "
-         f"(plain {step['plain']['median']:.2f} ms, DDP {step['one rank']['median']:.2f} ms)")
-    line(f"# weak scaling at {n} ranks: efficiency = contention × communication")
+         f"(median steps: plain {step['plain']['median']:.2f} ms, DDP {step['one rank']['median']:.2f} ms)")
+    line(f"# weak scaling at {n} ranks: efficiency = contention × communication, in each round")
     line(f"# {'batch':>6} {'plain':>8} {'overhead':>8} {'one rank':>9} {'all ranks':>9} {'compute':>9} "
          f"{'samples/s':>10}  {'efficiency':<22} {'contention':>10} {'communication':>13}")
     for row in report["scaling"]:
@@ -497,9 +505,10 @@ def print_tables(report: dict) -> None:
              f"{fig(row['efficiency']):<22} {row['contention']['median']:>10.3f} "
              f"{row['communication']['median']:>13.3f}")
     o = report["overlap"]
-    line(f"# overlap at batch {b} (ms): forward + backward + optimizer = compute; the all-reduce alone; the step")
-    line(f"  forward {o['forward_ms']['median']:.2f} + backward {o['backward_ms']['median']:.2f} + optimizer "
-         f"{o['optimizer_ms']['median']:.2f} = compute {o['compute_ms']['median']:.2f}; all-reduce alone "
+    line(f"# overlap at batch {b} (ms): compute (forward + backward + optimizer, in each round), the all-reduce "
+         "alone, the step")
+    line(f"  forward {o['forward_ms']['median']:.2f}, backward {o['backward_ms']['median']:.2f}, optimizer "
+         f"{o['optimizer_ms']['median']:.2f}: compute {o['compute_ms']['median']:.2f}; all-reduce alone "
          f"{o['all_reduce_ms']['median']:.2f} (busbw {o['busbw_GBps']:.2f} GB/s"
          + (f", predicted {o['predicted_all_reduce_ms']:.2f}" if o["predicted_all_reduce_ms"] is not None else "")
          + ")")
@@ -537,7 +546,7 @@ def import_pyplot():
     try:
         import matplotlib
     except ImportError:
-        common.die(f"--plot and the trace picture need matplotlib, an optional extra: {PLOT_EXTRA}")
+        common.die(f"--plot needs matplotlib, an optional extra: {PLOT_EXTRA}")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
@@ -549,8 +558,9 @@ def plot(report: dict, path: str) -> None:
     plt = import_pyplot()
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1, 1.3]})
     batches = [row["batch"] for row in report["scaling"]]
-    for key, label in (("efficiency", "efficiency"), ("contention", "compute side by side / alone"),
-                       ("communication", "compute / step")):
+    for key, label in (("efficiency", "efficiency = contention × communication"),
+                       ("contention", "contention: one rank alone / all ranks computing"),
+                       ("communication", "communication: compute alone / step")):
         medians = [row[key]["median"] for row in report["scaling"]]
         errors = [[m - row[key]["min"] for m, row in zip(medians, report["scaling"], strict=True)],
                   [row[key]["max"] - m for m, row in zip(medians, report["scaling"], strict=True)]]
@@ -693,6 +703,34 @@ def print_startup(report: dict) -> None:
         common.print_line(f"  {key.replace('_', ' '):<28} {s['median']:6.2f} [{s['min']:.2f}, {s['max']:.2f}]")
 
 
+def check_at_start(args: argparse.Namespace, world_size: int, procs_on_node: int) -> None:
+    """What would fail at the end, or cannot be done here, is said before the measuring starts, by one
+    process per node (the others exit with the same status, quietly)."""
+    def refuse(message: str) -> None:
+        if int(os.environ["LOCAL_RANK"]) != 0:
+            sys.exit(2)
+        common.die(message)
+
+    if args.plot:
+        if not importable("matplotlib"):
+            refuse(f"--plot needs matplotlib, an optional extra: {PLOT_EXTRA}")
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            refuse(f"--plot {args.plot}: {folder} is not a writable folder")
+    if args.trace:
+        try:
+            os.makedirs(args.trace, exist_ok=True)
+        except OSError as exc:
+            refuse(f"--trace {args.trace}: cannot create the folder: {exc.strerror}")
+        if not os.access(args.trace, os.W_OK):
+            refuse(f"--trace {args.trace}: the folder is not writable")
+    most = max(*args.batch_sizes, args.batch_size * world_size)
+    common.check_memory(dataset_bytes(world_size, most) * procs_on_node,
+                        f"batches of {most} samples per rank on {procs_on_node} process(es)")
+    if args.compare_dp and data_parallel_gpus(world_size) and int(os.environ["RANK"]) == 0:
+        sys.stderr.write(data_parallel_gpus(world_size) + "\n")  # said now, and in the report
+
+
 def main() -> None:
     args = parse_args()
     if args.floor:
@@ -717,22 +755,7 @@ def main() -> None:
         device = torch.device("cpu")
         # Every process gets its share of the cores, one rank alone as many as each of N side by side.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // procs_on_node))
-    # Everything that could fail at the end is checked before the measuring starts.
-    most = max(*args.batch_sizes, args.batch_size * world_size)
-    common.check_memory(dataset_bytes(world_size, most) * procs_on_node,
-                        f"batches of {most} samples per rank on {procs_on_node} process(es)")
-    if args.trace:
-        try:
-            os.makedirs(args.trace, exist_ok=True)
-        except OSError as exc:
-            common.die(f"--trace {args.trace}: cannot create the folder: {exc.strerror}")
-        if not os.access(args.trace, os.W_OK):
-            common.die(f"--trace {args.trace}: the folder is not writable")
-    if args.plot:
-        import_pyplot()
-        folder = os.path.dirname(os.path.abspath(args.plot))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            common.die(f"--plot {args.plot}: {folder} is not a writable folder")
+    check_at_start(args, world_size, procs_on_node)
     launched_at = launch_time()
     common.exit_promptly_on_signals(launcher=common.PARENT_AT_START)
     timeout = timedelta(seconds=args.timeout)

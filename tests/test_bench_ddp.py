@@ -214,3 +214,35 @@ def test_startup_times_the_jobs_in_turn_against_both_floors(monkeypatch, capsys)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err == "error: the join and leave job of 2 workers failed (exit 1): RuntimeError: no port\n"
+
+
+def test_what_would_fail_at_the_end_is_one_line_at_the_start(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(sys, "argv", ["bench_ddp.py", "--plot", str(tmp_path / "missing" / "b.png")])
+    args = bench_ddp.parse_args()
+    cases = [
+        ({"plot": str(tmp_path / "missing" / "b.png")}, f"error: --plot {tmp_path}/missing/b.png: "
+                                                        f"{tmp_path}/missing is not a writable folder\n"),
+        ({"plot": None, "trace": str(tmp_path / "file")}, f"error: --trace {tmp_path}/file: cannot create the "
+                                                          "folder: File exists\n"),
+        ({"trace": None, "batch_sizes": [10**12]}, None),  # more memory than any machine: check_memory's line
+    ]
+    (tmp_path / "file").write_text("")
+    for changes, expected in cases:
+        vars(args).update(changes)
+        with pytest.raises(SystemExit) as exit_info:
+            bench_ddp.check_at_start(args, world_size=2, procs_on_node=2)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.count("\n") == 1, err
+        assert expected is None or err == expected
+    monkeypatch.setenv("LOCAL_RANK", "1")  # the other processes of the node exit quietly, with the same status
+    vars(args).update({"batch_sizes": [8], "plot": str(tmp_path / "missing" / "b.png")})
+    with pytest.raises(SystemExit) as exit_info:
+        bench_ddp.check_at_start(args, world_size=2, procs_on_node=2)
+    assert exit_info.value.code == 2 and capsys.readouterr().err == ""
+    vars(args).update({"plot": None, "compare_dp": True})  # said at the start, and the run goes on
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    bench_ddp.check_at_start(args, world_size=2, procs_on_node=2)
+    if torch.cuda.device_count() < 2:
+        assert capsys.readouterr().err.startswith("--compare-dp needs 2 or more GPUs")
