@@ -28,7 +28,9 @@ singlenode_cpu.py. The README explains every figure and gives this machine's.
 """
 import argparse
 import json
+import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -51,6 +53,7 @@ ACCUMULATION = 4  # micro-batches per optimizer step in the accumulation rows
 VAL_SIZE = 1024  # validation samples, for the loss after the knobs' steps
 TRACE_STEPS = 3
 PLOT_EXTRA = "pip install -r requirements-plot.txt"
+COUNT = common.number_in(0, 10_000, int)  # steps or rounds: more would run for days
 ONE_RANK = ("plain", "one rank")  # the configurations that run on rank 0 alone
 
 
@@ -66,9 +69,9 @@ def parse_args() -> argparse.Namespace:
                         help="samples per step on each rank, for the weak-scaling sweep")
     parser.add_argument("--batch-size", type=common.positive_int, default=128,
                         help="samples per step on each rank for the overhead, overlap and knob figures")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps of every configuration (2 or more)")
-    parser.add_argument("--steps", type=common.positive_int, default=5, help="timed steps per configuration per round")
-    parser.add_argument("--rounds", type=common.positive_int, default=5, help="rounds, each timing every configuration")
+    parser.add_argument("--warmup", type=COUNT, default=3, help="untimed steps of every configuration (2 or more)")
+    parser.add_argument("--steps", type=COUNT, default=5, help="timed steps per configuration per round")
+    parser.add_argument("--rounds", type=COUNT, default=5, help="rounds, each timing every configuration")
     parser.add_argument("--lr", type=common.positive_float, default=1e-3, help="Adam learning rate")
     parser.add_argument("--busbw", type=common.positive_float, default=None, metavar="GBPS",
                         help="bench_comm.py's all_reduce busbw at the buckets' size: predicts the all-reduce time")
@@ -80,7 +83,7 @@ def parse_args() -> argparse.Namespace:
                         help="also time torch.nn.DataParallel over this node's GPUs (2 or more)")
     parser.add_argument("--timeout", type=common.timeout_seconds, default=300.0,
                         help="seconds a collective waits for a peer before the process group gives up")
-    parser.add_argument("--startup", type=common.positive_int, metavar="N",
+    parser.add_argument("--startup", type=common.number_in(1, 1024, int), metavar="N",
                         help="with plain python: time torchrun jobs of N workers against the two floors")
     parser.add_argument("--floor", choices=("join", "step"), help=argparse.SUPPRESS)  # --startup's workers
     args = parser.parse_args()
@@ -91,6 +94,12 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--batch-size must be a multiple of {ACCUMULATION}: the accumulation rows split it")
     if args.plot is not None and not args.plot.endswith(".png"):
         parser.error("--plot names a .png file")
+    if args.trace == "":
+        parser.error("--trace names a folder")
+    if args.startup and (args.plot or args.trace or args.compare_dp):
+        parser.error("--plot, --trace and --compare-dp belong to a torchrun run, not to --startup")
+    if args.steps < 1 or args.rounds < 1:
+        parser.error("--steps and --rounds must be 1 or more")
     return args
 
 
@@ -287,11 +296,21 @@ def data_parallel_gpus(world_size: int) -> str | None:
     return None
 
 
-def dataset_bytes(world_size: int, most: int) -> int:
-    """What measure() allocates for the data on each process: every rank draws the whole training set
-    (2 batches of the largest size per rank) before it keeps its shard, float32 features and target,
-    and about as much again while they are drawn."""
-    return (world_size * most * 2 + VAL_SIZE) * (FEATURES + 1) * 4 * 2
+def largest_batch(args: argparse.Namespace, world_size: int) -> int:
+    """The most samples one step takes on one process: DataParallel's takes every GPU's batch."""
+    return max(*args.batch_sizes, args.batch_size * (world_size if args.compare_dp else 1))
+
+
+def needed_bytes(args: argparse.Namespace, world_size: int, most: int) -> int:
+    """About what measure() needs on each process. The data: every rank draws the whole training set
+    (2 of the largest batches per rank) before it keeps its shard, float32 features and target, and as
+    much again while they are drawn. The models: about 20 configurations, each with its weights,
+    gradients, buckets and Adam's two moments. The activations of the largest batch: forward keeps
+    every layer's output for backward, and backward makes as much again."""
+    model = build_model(args.model)
+    data = (world_size * most * 2 + VAL_SIZE) * (FEATURES + 1) * 4 * 2
+    widths = sum(layer.out_features for layer in model.modules() if isinstance(layer, torch.nn.Linear))
+    return data + 20 * 5 * gradient_bytes(model) + most * widths * 4 * 2 * 2
 
 
 def launch_time() -> float | None:
@@ -316,8 +335,10 @@ def measure(args: argparse.Namespace, rank: int, world_size: int, device: torch.
     """Warm up and time every configuration; return the report (the same on every rank) and a function
     that takes one step of the default configuration (for the trace)."""
     joined = time.time()
-    most = max(*args.batch_sizes, args.batch_size * world_size)
-    train_set, val_set = make_datasets(train_size=world_size * most * 2, val_size=VAL_SIZE)
+    most = largest_batch(args, world_size)
+    train_set, _ = make_datasets(train_size=world_size * most * 2, val_size=0)
+    # The same validation samples whatever the sizes of the run: the first ones drawn after one sample.
+    _, val_set = make_datasets(train_size=1, val_size=VAL_SIZE)
     # This rank's shard, on the device before any clock starts.
     x_train, y_train = (t[rank::world_size].to(device) for t in train_set.tensors)
     x_val, y_val = (t.to(device) for t in val_set.tensors)
@@ -458,6 +479,15 @@ def measure(args: argparse.Namespace, rank: int, world_size: int, device: torch.
     return report, lambda: run("default", args.batch_size, 1)
 
 
+def finite(value):
+    """The report with every nan or infinity (a loss that diverged, say) as None: JSON has no NaN."""
+    if isinstance(value, dict):
+        return {key: finite(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [finite(item) for item in value]
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
 def gradient_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -569,7 +599,8 @@ def plot(report: dict, path: str) -> None:
     left.axhline(1.0, color="grey", linewidth=0.8)
     left.set_xscale("log", base=2)
     left.set_xticks(batches, [str(b) for b in batches])
-    left.set_ylim(0, 1.1)
+    left.set_ylim(0, max(1.1, *(row[key]["max"] * 1.05 for row in report["scaling"]
+                                for key in ("efficiency", "contention", "communication"))))
     left.set_xlabel("batch per rank (samples)")
     left.set_title(f"weak scaling, {report['world_size']} ranks ({report['backend']})")
     left.legend(loc="lower right", fontsize=8)
@@ -655,6 +686,7 @@ def first_step() -> None:
 def floor_worker(kind: str) -> None:
     """A torchrun worker that joins and leaves ("join"), or that also takes a first step ("step")."""
     rank, _, world_size = common.launcher_env() or common.die("the floor workers are started by --startup")
+    common.exit_promptly_on_signals(launcher=common.PARENT_AT_START)  # as the training scripts do
     timeout = timedelta(seconds=60)
     dist.init_process_group("gloo", store=common.torchrun_store(timeout), rank=rank, world_size=world_size,
                             timeout=timeout)
@@ -674,10 +706,16 @@ def time_startup(workers: int, rounds: int, as_json: bool) -> None:
             "first step": [*torchrun, os.path.join(here, "bench_ddp.py"), "--floor", "step"],
             "singlenode_cpu.py": [*torchrun, os.path.join(here, "singlenode_cpu.py")]}
     seconds = {name: [] for name in jobs}
+    # Stopped, this process stops the job it is timing first: torchrun ends its workers on SIGTERM.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     for _ in range(rounds):
         for name, command in jobs.items():
             start = time.perf_counter()
-            done = subprocess.run(command, capture_output=True, text=True, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+            try:
+                done = subprocess.run(command, capture_output=True, text=True,
+                                      env=os.environ | {"PYTHONUNBUFFERED": "1"})
+            except KeyboardInterrupt:  # Ctrl-C reached the job too: it stops by itself
+                common.die(f"stopped by Ctrl-C during the {name} job", code=130)
             seconds[name].append(time.perf_counter() - start)
             if done.returncode != 0:
                 tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -717,6 +755,8 @@ def check_at_start(args: argparse.Namespace, world_size: int, procs_on_node: int
         folder = os.path.dirname(os.path.abspath(args.plot))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             refuse(f"--plot {args.plot}: {folder} is not a writable folder")
+        if os.path.isdir(args.plot):
+            refuse(f"--plot {args.plot} is a folder: name a .png file")
     if args.trace:
         try:
             os.makedirs(args.trace, exist_ok=True)
@@ -724,9 +764,10 @@ def check_at_start(args: argparse.Namespace, world_size: int, procs_on_node: int
             refuse(f"--trace {args.trace}: cannot create the folder: {exc.strerror}")
         if not os.access(args.trace, os.W_OK):
             refuse(f"--trace {args.trace}: the folder is not writable")
-    most = max(*args.batch_sizes, args.batch_size * world_size)
-    common.check_memory(dataset_bytes(world_size, most) * procs_on_node,
-                        f"batches of {most} samples per rank on {procs_on_node} process(es)")
+    most = largest_batch(args, world_size)
+    if int(os.environ["LOCAL_RANK"]) == 0:  # the others are stopped by torchrun if this one stops
+        common.check_memory(needed_bytes(args, world_size, most) * procs_on_node,
+                            f"batches of up to {most} samples on {procs_on_node} process(es)")
     if args.compare_dp and data_parallel_gpus(world_size) and int(os.environ["RANK"]) == 0:
         sys.stderr.write(data_parallel_gpus(world_size) + "\n")  # said now, and in the report
 
@@ -770,7 +811,7 @@ def main() -> None:
         dist.destroy_process_group()
     if rank == 0:  # every rank holds the same report: one prints it
         if args.json:
-            common.print_line(json.dumps(report, indent=1))
+            common.print_line(json.dumps(finite(report), indent=1))
         else:
             print_tables(report)
         if args.plot:
