@@ -376,7 +376,7 @@ def measure(args: argparse.Namespace, rank: int, world_size: int, device: torch.
     run("all ranks", args.batch_sizes[0], 1)
     first_step = time.time()
     for _, name, size in configs:  # warm-up: DDP lays out its buckets, PowerSGD starts compressing
-        dist.barrier()
+        dist.barrier()  # a one-rank configuration runs while the other ranks wait here
         if name != "all-reduce alone":
             run(name, size, args.warmup)
     # The counting hook saw the buckets of the last warm-up step; the all-reduce alone sends the same.
