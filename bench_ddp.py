@@ -5,9 +5,9 @@ behind backward, and DDP's tuning knobs. Every figure is a step time measured be
 the same run: the configurations take turns, round after round (a slow moment of a shared machine then
 hits all of them alike), and each figure is computed within a round, then reported as the median over
 the rounds with the min and the max. So a figure is not the ratio of the median times printed beside
-it, which come from different rounds; --json gives every round's times. A step
-takes as long as its slowest rank. "One rank" runs on rank 0 alone while the other ranks wait at a
-barrier; "all ranks" runs on every rank. The batches are drawn before timing: no data loading is measured.
+it, which come from different rounds; --json gives every round's times. A step takes as long as its
+slowest rank. "One rank" runs on rank 0 alone while the other ranks wait at a barrier; "all ranks"
+runs on every rank. The batches are drawn before timing: no data loading is measured.
 
     overhead     1 - (plain model's step time / DDP's at one rank): what the wrapper costs
     efficiency   step time at one rank / at N ranks, with the same batch on every rank: samples per second
@@ -54,7 +54,6 @@ VAL_SIZE = 1024  # validation samples, for the loss after the knobs' steps
 TRACE_STEPS = 3
 PLOT_EXTRA = "pip install -r requirements-plot.txt"
 COUNT = common.number_in(0, 10_000, int)  # steps or rounds: more would run for days
-ONE_RANK = ("plain", "one rank")  # the configurations that run on rank 0 alone
 
 
 def parse_args() -> argparse.Namespace:
@@ -232,7 +231,7 @@ def build_variants(args: argparse.Namespace, rank: int, device: torch.device) ->
                           (f"accumulate {ACCUMULATION}, no no_sync", "never")):
         variants[name] = variant(ddp(), micro_batches=ACCUMULATION, no_sync=no_sync)
         variants[name].model.register_comm_hook(None, counting_hook(variants[name].bucket_sizes))
-    if rank == 0:
+    if rank == 0:  # DDP's construction talks only to its own group, here rank 0 alone: no rank waits
         variants["plain"] = variant()
         variants["one rank"] = variant(ddp(process_group=one_rank_group))
     return variants
@@ -679,7 +678,7 @@ def first_step() -> None:
     torch.manual_seed(0)
     model = DDP(build_model("mlp"))
     optimizer = torch.optim.Adam(model.parameters())
-    F.mse_loss(model(torch.randn(32, 20)), torch.zeros(32, 1)).backward()
+    F.mse_loss(model(torch.randn(32, FEATURES)), torch.zeros(32, 1)).backward()
     optimizer.step()
 
 
@@ -693,7 +692,7 @@ def floor_worker(kind: str) -> None:
     try:
         if kind == "step":
             first_step()
-        dist.barrier()
+        dist.barrier()  # no worker leaves before every worker has joined (and stepped): the job's whole cost
     finally:
         dist.destroy_process_group()
 

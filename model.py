@@ -22,7 +22,7 @@ class MLP(nn.Module):
 class WideMLP(nn.Module):
     """bench_ddp.py's model, large enough that communication matters: 20 → 1024 → 1024 → 1024 → 1,
     2.1 million parameters, so 8.5 MB of float32 gradients to all-reduce at every step. That takes about
-    9 ms at the 2-rank loopback gloo bandwidth that bench_comm.py measures (about 1 GB/s), about as long
+    8 ms at the 2-rank loopback gloo bandwidth that bench_comm.py measures (about 1 GB/s), about as long
     as a step's compute at a per-rank batch of a few dozen samples on one core: a sweep of batch sizes
     crosses from communication-bound to compute-bound. With DDP's default buckets (a first bucket of
     1 MiB, then 25 MiB) the gradients fall into two buckets, so one all-reduce can run during backward."""
