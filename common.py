@@ -118,8 +118,9 @@ def checkpoint_path(text: str) -> str:
     return text
 
 
-def add_training_args(parser: argparse.ArgumentParser) -> None:
-    """The knobs that every training script takes, with defaults that run in seconds on a CPU."""
+def add_training_args(parser: argparse.ArgumentParser, checkpoint: bool = True) -> None:
+    """The knobs that every training script takes, with defaults that run in seconds on a CPU.
+    checkpoint=False: a lesson past the basics, which trains without --checkpoint."""
     parser.add_argument("--max_epochs", type=positive_int, default=10, help="epochs to train in all")
     parser.add_argument("--batch_size", type=positive_int, default=32, help="samples per step on each rank")
     parser.add_argument("--lr", type=positive_float, default=0.005, help="Adam learning rate")
@@ -131,10 +132,11 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
         "--timeout", type=timeout_seconds, default=120.0,
         help="seconds (1 to 1e7) a collective waits for a peer before the process group gives up",
     )
-    parser.add_argument(
-        "--checkpoint", type=checkpoint_path, default=None, metavar="PATH",
-        help="after every epoch rank 0 saves here; if the file exists at start, training resumes from it",
-    )
+    if checkpoint:
+        parser.add_argument(
+            "--checkpoint", type=checkpoint_path, default=None, metavar="PATH",
+            help="after every epoch rank 0 saves here; if the file exists at start, training resumes from it",
+        )
 
 
 def reject_old_launcher_flag(parser: argparse.ArgumentParser) -> None:

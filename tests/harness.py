@@ -3,6 +3,12 @@
 Cheaper than a whole-script launch (no torchrun agent) and it hands back what each rank returned,
 so a test can compare every replica. The rendezvous is a file:// store in a temporary folder: no
 port at all. Every worker is killed if the group outlives its timeout.
+
+The workers are forked from a server process that has imported torch once (multiprocessing's
+forkserver, with the modules preloaded): a fresh interpreter would spend about 3.5 s of CPU on
+importing torch and torch._dynamo (which an optimizer's first step imports), in every worker of
+every test. The server is started once per test session, before any process group exists, and
+runs no threads of torch's, so forking it is safe.
 """
 import multiprocessing
 import os
@@ -19,6 +25,10 @@ import torch.distributed as dist
 # Before any process group exists, as in every script: common imports torch.distributed.nn, whose
 # defaults would otherwise hold the group into interpreter shutdown, where gloo can abort (SIGABRT).
 import common
+
+
+# common first: it imports torch.distributed.nn before any process group (see common).
+PRELOAD = ["common", "torch", "torch._dynamo", "torch.distributed", "workers"]
 
 
 def _worker(fn: Callable, rank: int, world_size: int, folder: str, timeout: float, args: tuple) -> None:
@@ -47,10 +57,12 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 60) -> tupl
     """Run fn(rank, world_size, *args) on every rank; return (exit codes, results, stdouts, stderrs),
     each by rank (a rank that failed has no result: None).
 
-    fn must be importable by name (a module-level function), as multiprocessing's spawn requires.
+    fn must be importable by name (a module-level function): the workers are forked from a server
+    process, which receives it by pickle.
     A rank still running at the deadline is killed, and its exit code is None.
     """
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)  # read when the server starts: at the first call
     with tempfile.TemporaryDirectory() as folder:
         procs = [
             context.Process(target=_worker, args=(fn, rank, world_size, folder, timeout, args))

@@ -1,4 +1,4 @@
-"""Functions that tests/harness.spawn runs on every rank (spawn needs them importable by name)."""
+"""Functions that tests/harness.spawn runs on every rank (its workers receive them by name, pickled)."""
 import sys
 
 import torch
@@ -41,3 +41,9 @@ def bucket_layouts(rank: int, world_size: int, backward_passes: int) -> list[lis
         passes.append([])
         model(torch.ones(2, 20)).sum().backward()
     return passes
+
+
+def train_scripts(rank: int, world_size: int, runs: list[tuple[str, list[str]]]) -> list[dict]:
+    """train_script for each (script, argv) in turn, in one process group: one start-up for several
+    runs. Each run's output follows the previous one's on this rank's stdout."""
+    return [train_script(rank, world_size, script, argv) for script, argv in runs]
