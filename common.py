@@ -139,6 +139,15 @@ def add_training_args(parser: argparse.ArgumentParser, checkpoint: bool = True) 
         )
 
 
+def add_step_args(parser: argparse.ArgumentParser, precisions: dict, precision_help: str) -> None:
+    """What the training scripts can change in a step: precision, clipping and compilation."""
+    parser.add_argument("--precision", choices=sorted(precisions), default="fp32", help=precision_help)
+    parser.add_argument("--clip_grad_norm", type=positive_float, default=None, metavar="MAX",
+                        help="clip the averaged gradients to a total norm of at most MAX (default: no clipping)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the model; the first step compiles it, which takes seconds")
+
+
 def reject_old_launcher_flag(parser: argparse.ArgumentParser) -> None:
     """python -m torch.distributed.launch without --use-env appends --local-rank=N to the arguments.
     Say what to do about it, rather than argparse's bare "unrecognized arguments"."""
@@ -307,14 +316,12 @@ def exit_promptly_on_signals(launcher: int | None) -> None:
 # Settings that a resumed run must share with the run that wrote the checkpoint: with any other
 # value it would silently become a different experiment. The world size may change (an elastic
 # job can restart with fewer nodes); that only earns a warning.
-RESUME_MUST_MATCH = ("model", "train_size", "batch_size", "lr", "seed", "precision")
+RESUME_MUST_MATCH = ("model", "train_size", "batch_size", "lr", "seed", "precision", "clip_grad_norm")
 
 
 def run_config(args: argparse.Namespace, world_size: int) -> dict:
-    """What a checkpoint records about the run that wrote it (plain types: weights_only can read them).
-    The CPU scripts have no --precision: they train in fp32."""
-    return ({name: getattr(args, name) for name in RESUME_MUST_MATCH if name != "precision"}
-            | {"precision": getattr(args, "precision", "fp32"), "world_size": world_size})
+    """What a checkpoint records about the run that wrote it (plain types: weights_only can read them)."""
+    return {name: getattr(args, name) for name in RESUME_MUST_MATCH} | {"world_size": world_size}
 
 
 class Unusable(Exception):
@@ -559,8 +566,9 @@ class Checkpoints:
             raise bad("config", f"lacks {', '.join(keys)}")
         for name in RESUME_MUST_MATCH:
             if saved[name] != config[name]:
-                raise Unusable(f"{self.path} was written with --{name} {saved[name]}, this run has --{name} "
-                               f"{config[name]}: use the same value, or another --checkpoint path to start afresh")
+                then, now = ("off" if value is None else value for value in (saved[name], config[name]))
+                raise Unusable(f"{self.path} was written with --{name} {then}, this run has --{name} {now}: "
+                               "use the same value, or another --checkpoint path to start afresh")
         if type(saved["world_size"]) is not int or saved["world_size"] < 1:
             raise bad("config", f"has world_size {saved['world_size']!r}, where a positive integer belongs")
         weights = checkpoint["model"]

@@ -3,17 +3,19 @@
 The same training as singlenode_cpu.py; what changes is the device. Each process binds the GPU
 named by its LOCAL_RANK before it joins the process group, DDP gets device_ids=[local_rank],
 batches are copied from pinned memory without blocking, and the forward pass can run in bf16,
-or in fp16 with a GradScaler.
+or in fp16 with a GradScaler, which must unscale the gradients before --clip_grad_norm clips them.
 
     torchrun --standalone --nproc-per-node 2 singlenode_gpu.py
     torchrun --standalone --nproc-per-node 8 singlenode_gpu.py --precision bf16
+    torchrun --standalone --nproc-per-node 8 singlenode_gpu.py --precision fp16 --clip_grad_norm 1.0 --compile
 
-SyncBatchNorm (torch.nn.SyncBatchNorm.convert_sync_batchnorm) belongs here, not on CPUs: it only
-runs on GPU modules. These models have no batch norm.
+These models have no batch norm; sync_batchnorm.py shows torch.nn.SyncBatchNorm, which runs on
+GPU modules only, and the same synchronisation by hand on CPUs.
 """
 import argparse
 import math
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -34,8 +36,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_training_args(parser)
     common.reject_old_launcher_flag(parser)
-    parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32",
-                        help="forward-pass precision: bf16 autocast, or fp16 autocast with a GradScaler")
+    common.add_step_args(parser, PRECISIONS,
+                         "forward-pass precision: bf16 autocast, or fp16 autocast with a GradScaler")
     return parser.parse_args()
 
 
@@ -55,7 +57,7 @@ def make_loaders(args: argparse.Namespace, rank: int, world_size: int) -> tuple[
 
 
 def train_one_epoch(model: DDP, loader: DataLoader, optimizer: torch.optim.Optimizer, device: torch.device,
-                    dtype: torch.dtype, scaler: torch.amp.GradScaler):
+                    dtype: torch.dtype, scaler: torch.amp.GradScaler, clip_grad_norm: float | None):
     """Train on this rank's shard; return (sum of loss × samples, samples, steps before the first
     loss that was not finite) for this rank."""
     model.train()
@@ -65,11 +67,18 @@ def train_one_epoch(model: DDP, loader: DataLoader, optimizer: torch.optim.Optim
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             loss = F.mse_loss(model(x).float(), y)  # the loss itself in fp32
         # fp16 gradients can underflow to 0: the scaler multiplies the loss up and the gradients
         # back down, and skips a step whose gradients overflowed. A no-op unless enabled.
         scaler.scale(loss).backward()  # DDP all-reduces (averages) the gradients here, bucket by bucket
+        if clip_grad_norm:
+            # The gradients are still multiplied by the scaler's scale: unscale them first, or the norm
+            # measured is the scaled one. (step() then does not unscale again; a no-op unless fp16.)
+            scaler.unscale_(optimizer)
+            # After backward, so after the all-reduce: every rank clips the same averaged gradient
+            # by the same factor, and the replicas stay identical.
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
         scaler.step(optimizer)
         scaler.update()
         loss_sum += loss.detach() * len(y)  # stays on the device: no sync per step
@@ -79,14 +88,14 @@ def train_one_epoch(model: DDP, loader: DataLoader, optimizer: torch.optim.Optim
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader: DataLoader, device: torch.device, dtype: torch.dtype):
+def evaluate(model: torch.nn.Module, loader: DataLoader, device: torch.device, dtype: torch.dtype = torch.float32):
     """Return (sum of squared errors, samples) over this rank's validation shard."""
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     samples = 0
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             loss_sum += F.mse_loss(model(x).float(), y, reduction="sum")
         samples += len(y)
     return loss_sum, samples
@@ -142,7 +151,7 @@ def settle_buckets(model: DDP, loader: DataLoader, device: torch.device, dtype: 
     """
     model.eval()  # train_one_epoch switches back
     x, _ = next(iter(loader))
-    with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):  # the graph of a real step
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):  # the graph of a real step
         output = model(x.to(device))
     output.float().sum().mul(0).backward()  # all-reduces zeros, as every backward does
     model.zero_grad(set_to_none=True)
@@ -168,14 +177,24 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
     try:
         start_epoch = resume(args, rank, world_size, model, optimizer, scaler, checkpoints, device) \
             if checkpoints else 0
+        if args.compile:
+            # The module inside DDP, not the wrapper: dynamo traces the model alone, and still cuts its
+            # graph at DDP's bucket boundaries (DDPOptimizer), so that each bucket's all-reduce starts
+            # while the rest of backward runs. dynamic=True: one graph for every batch size, where the
+            # default would compile again at the first batch of a new size (an epoch's shorter last one).
+            model.compile(dynamic=True)
         # device_ids: this process's one GPU, named by its local rank (the global rank breaks on node 2).
         model = DDP(model, device_ids=[local_rank])
-        settle_buckets(model, train_loader, device, dtype)
+        started = time.perf_counter()
+        settle_buckets(model, train_loader, device, dtype)  # the first forward and backward: --compile compiles here
+        if rank == 0 and args.compile:
+            print(f"compile: the first forward and backward took {time.perf_counter() - started:.1f} s", flush=True)
 
         for epoch in range(start_epoch, args.max_epochs):
             # Reseeds the shuffle with the epoch; without it every epoch sees the same order.
             train_loader.sampler.set_epoch(epoch)
-            loss_sum, samples, finite_steps = train_one_epoch(model, train_loader, optimizer, device, dtype, scaler)
+            loss_sum, samples, finite_steps = train_one_epoch(model, train_loader, optimizer, device, dtype, scaler,
+                                                              args.clip_grad_norm)
             # Evaluate the plain module: ranks may hold different numbers of validation batches, and a
             # forward through the DDP wrapper may wait for the other ranks.
             val_totals = evaluate(model.module, val_loader, device, dtype)

@@ -13,6 +13,7 @@ With CUDA, one process per GPU and nccl; without, CPU processes and gloo.
 import argparse
 import math
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -26,12 +27,16 @@ import common
 from data import LOSS_FLOOR, make_datasets
 from model import build_model
 
+# bf16 keeps fp32's exponent range, so it needs no GradScaler; fp16, which does, is in singlenode_gpu.py.
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_training_args(parser)
     parser.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="local_rank",
                         help="set by torch.distributed.launch without --use-env; LOCAL_RANK says the same")
+    common.add_step_args(parser, PRECISIONS, "forward-pass precision: fp32, or bf16 autocast")
     return parser.parse_args()
 
 
@@ -49,7 +54,8 @@ def make_loaders(args: argparse.Namespace, rank: int, world_size: int) -> tuple[
     return train_loader, val_loader
 
 
-def train_one_epoch(model: DDP, loader: DataLoader, optimizer: torch.optim.Optimizer, device: torch.device):
+def train_one_epoch(model: DDP, loader: DataLoader, optimizer: torch.optim.Optimizer, device: torch.device,
+                    dtype: torch.dtype, clip_grad_norm: float | None):
     """Train on this rank's shard; return (sum of loss × samples, samples, steps before the first
     loss that was not finite) for this rank."""
     model.train()
@@ -59,8 +65,13 @@ def train_one_epoch(model: DDP, loader: DataLoader, optimizer: torch.optim.Optim
     for x, y in loader:
         x, y = x.to(device), y.to(device)
         optimizer.zero_grad(set_to_none=True)
-        loss = F.mse_loss(model(x), y)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss = F.mse_loss(model(x).float(), y)  # the loss itself in fp32
         loss.backward()  # DDP all-reduces (averages) the gradients here, bucket by bucket
+        if clip_grad_norm:
+            # After backward, so after the all-reduce: every rank clips the same averaged gradient
+            # by the same factor, and the replicas stay identical.
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
         optimizer.step()
         loss_sum += loss.detach() * len(y)  # stays on the device: no sync per step
         finite_steps += torch.isfinite(loss_sum)  # a nan or inf loss leaves the sum non-finite for good
@@ -69,14 +80,15 @@ def train_one_epoch(model: DDP, loader: DataLoader, optimizer: torch.optim.Optim
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader: DataLoader, device: torch.device):
+def evaluate(model: torch.nn.Module, loader: DataLoader, device: torch.device, dtype: torch.dtype = torch.float32):
     """Return (sum of squared errors, samples) over this rank's validation shard."""
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     samples = 0
     for x, y in loader:
         x, y = x.to(device), y.to(device)
-        loss_sum += F.mse_loss(model(x), y, reduction="sum")
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss_sum += F.mse_loss(model(x).float(), y, reduction="sum")
         samples += len(y)
     return loss_sum, samples
 
@@ -114,7 +126,7 @@ def resume(args: argparse.Namespace, rank: int, world_size: int, model: torch.nn
     return checkpoint["epoch"]  # the next epoch to run: none is repeated
 
 
-def settle_buckets(model: DDP, loader: DataLoader, device: torch.device) -> None:
+def settle_buckets(model: DDP, loader: DataLoader, device: torch.device, dtype: torch.dtype) -> None:
     """One backward pass with all-zero gradients, so that every real step uses the same buckets.
 
     DDP's first backward all-reduces the gradients in one bucket laid out in the order the model
@@ -128,7 +140,9 @@ def settle_buckets(model: DDP, loader: DataLoader, device: torch.device) -> None
     """
     model.eval()  # train_one_epoch switches back
     x, _ = next(iter(loader))
-    model(x.to(device)).sum().mul(0).backward()  # all-reduces zeros, as every backward does
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):  # the graph of a real step
+        output = model(x.to(device))
+    output.float().sum().mul(0).backward()  # all-reduces zeros, as every backward does
     model.zero_grad(set_to_none=True)
 
 
@@ -143,23 +157,34 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
     torch.manual_seed(args.seed)
     model = build_model(args.model).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    dtype = PRECISIONS[args.precision]
 
     # Every rank reads the checkpoint. Global rank 0 alone writes it (one writer, not one per node),
     # in the background, and holds a lock on it that keeps a second job off the same path.
     checkpoints = common.Checkpoints(args.checkpoint, rank) if args.checkpoint else None
     try:
         start_epoch = resume(args, rank, world_size, model, optimizer, checkpoints, device) if checkpoints else 0
+        if args.compile:
+            # The module inside DDP, not the wrapper: dynamo traces the model alone, and still cuts its
+            # graph at DDP's bucket boundaries (DDPOptimizer), so that each bucket's all-reduce starts
+            # while the rest of backward runs. dynamic=True: one graph for every batch size, where the
+            # default would compile again at the first batch of a new size (an epoch's shorter last one).
+            model.compile(dynamic=True)
         # On a GPU this would be DDP(model, device_ids=[local_rank]); on CPUs device_ids stays None.
         model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
-        settle_buckets(model, train_loader, device)
+        started = time.perf_counter()
+        settle_buckets(model, train_loader, device, dtype)  # the first forward and backward: --compile compiles here
+        if rank == 0 and args.compile:
+            print(f"compile: the first forward and backward took {time.perf_counter() - started:.1f} s", flush=True)
 
         for epoch in range(start_epoch, args.max_epochs):
             # Reseeds the shuffle with the epoch; without it every epoch sees the same order.
             train_loader.sampler.set_epoch(epoch)
-            loss_sum, samples, finite_steps = train_one_epoch(model, train_loader, optimizer, device)
+            loss_sum, samples, finite_steps = train_one_epoch(model, train_loader, optimizer, device, dtype,
+                                                              args.clip_grad_norm)
             # Evaluate the plain module: ranks may hold different numbers of validation batches, and a
             # forward through the DDP wrapper may wait for the other ranks.
-            val_totals = evaluate(model.module, val_loader, device)
+            val_totals = evaluate(model.module, val_loader, device, dtype)
             train_loss, val_loss = epoch_means((loss_sum, samples), val_totals, device)
             if not (math.isfinite(train_loss + val_loss) and common.all_finite(model.module)):
                 # The all-reduced losses and the replicas' weights are the same on every rank, so every

@@ -26,7 +26,6 @@ import torch.distributed as dist
 # defaults would otherwise hold the group into interpreter shutdown, where gloo can abort (SIGABRT).
 import common
 
-
 # common first: it imports torch.distributed.nn before any process group (see common).
 PRELOAD = ["common", "torch", "torch._dynamo", "torch.distributed", "workers"]
 

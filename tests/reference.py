@@ -41,6 +41,8 @@ def train_reference(args: argparse.Namespace, world_size: int) -> tuple[dict, li
             optimizer.zero_grad()
             loss = F.mse_loss(model(x_train[batch]), y_train[batch])
             loss.backward()
+            if getattr(args, "clip_grad_norm", None):  # the gradient of the global batch, as DDP's average
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
             optimizer.step()
             loss_sum += loss.item() * len(batch)
             samples += len(batch)

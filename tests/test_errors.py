@@ -259,6 +259,29 @@ IN_PROCESS = {
     "the old launcher's --local-rank": (
         ["singlenode_cpu.py", "--local-rank=0"],
         "error: --local-rank is what python -m torch.distributed.launch passes without --use-env"),
+    # The lessons past the basics: each started with python, and each of their own options out of range.
+    **{f"{script} started with python": ([script], "error: start this script with torchrun, e.g. torchrun "
+                                         f"--standalone --nproc-per-node 2 {script}")
+       for script in ["grad_accumulation.py", "uneven_inputs.py", "unused_parameters.py", "sync_batchnorm.py",
+                      "model_parallel.py", "debug_hang.py"]},
+    "no micro-batches": (["grad_accumulation.py", "--accum_steps", "0"],
+                         "error: argument --accum_steps: must be from 1 to 1e+06, got 0"),
+    "an unknown fix": (["unused_parameters.py", "--fix", "ignore"], "error: argument --fix: invalid choice: 'ignore'"),
+    "a negative branch period": (["unused_parameters.py", "--branch_every", "-1"],
+                                 "error: argument --branch_every: must be from 0 to 1e+06, got -1"),
+    "an unknown BatchNorm": (["sync_batchnorm.py", "--bn", "global"], "error: argument --bn: invalid choice: 'global'"),
+    "BatchNorm after a single layer": (["sync_batchnorm.py", "--model", "linear"],
+                                       "error: --model linear has no hidden layer for BatchNorm to normalise"),
+    "a model that cannot be split": (["model_parallel.py", "--model", "linear"],
+                                     "error: --model linear is a single layer: there is nothing to split"),
+    "a device that is not offered": (["model_parallel.py", "--device", "mps"],
+                                     "error: argument --device: invalid choice: 'mps'"),
+    "a negative stuck rank": (["debug_hang.py", "--stuck_rank", "-1"],
+                              "error: argument --stuck_rank: must be from 0 to 1e+06, got -1"),
+    "fp16 on CPUs": (["singlenode_cpu.py", "--precision", "fp16"],
+                     "error: argument --precision: invalid choice: 'fp16'"),
+    "a clip of zero": (["mp_spawn.py", "--clip_grad_norm", "0"],
+                       "error: argument --clip_grad_norm: must be a positive finite number, got 0"),
 }
 
 
@@ -464,7 +487,8 @@ FIELDS = {
     "epoch a string": (field(lambda s: s.update(epoch="3")), "its epoch is '3', where a count of epochs done"),
     "epoch a bool": (field(lambda s: s.update(epoch=True)), "its epoch is True, where a count of epochs done"),
     "config without seed": (field(lambda s: s["config"].pop("seed")), "its config lacks seed"),
-    "config not a dict": (field(lambda s: s.update(config=[1, 2])), "its config lacks batch_size, lr, model"),
+    "config not a dict": (field(lambda s: s.update(config=[1, 2])),
+                          "its config lacks batch_size, clip_grad_norm, lr, model"),
     "world_size zero": (field(lambda s: s["config"].update(world_size=0)), "its config has world_size 0, where a"),
     "model of numbers": (field(lambda s: s.update(model={"net.0.weight": 1.0})), "its model is not a state_dict"),
     "optimizer not a dict": (field(lambda s: s.update(optimizer=[])), "its optimizer is not an optimizer's state_dict"),

@@ -8,7 +8,9 @@ import pytest
 from launch import DONE_LINE, EPOCH_LINE, REPO, check, epoch_losses, run
 
 README = (REPO / "README.md").read_text()
-SCRIPTS = ["singlenode_cpu", "singlenode_gpu", "mp_spawn", "start_with_torchrun", "bench_ddp"]
+DOCS = "\n".join(path.read_text() for path in sorted((REPO / "docs").glob("*.md")))
+SCRIPTS = ["singlenode_cpu", "singlenode_gpu", "mp_spawn", "start_with_torchrun", "bench_ddp", "grad_accumulation",
+           "uneven_inputs", "unused_parameters", "sync_batchnorm", "model_parallel", "debug_hang"]
 
 
 def quick_start() -> list[str]:
@@ -38,9 +40,9 @@ def test_quick_start_trains_within_ten_percent_of_the_floor():
 
 
 def readme_commands() -> list[list[str]]:
-    """Every command line in the README that runs one of the training scripts."""
+    """Every command line in the README and in docs/ that runs one of the training scripts."""
     commands = []
-    for line in re.findall(r"(?:^|\$ |`)(?:[A-Z_]+=\S+ )*((?:torchrun|python) [^`\n]*)", README, re.MULTILINE):
+    for line in re.findall(r"(?:^|\$ |`)(?:[A-Z_]+=\S+ )*((?:torchrun|python) [^`\n]*)", README + DOCS, re.MULTILINE):
         words = shlex.split(line.split("  #")[0])
         script = next((w for w in words if w.removesuffix(".py") in SCRIPTS), None)
         if script:
