@@ -241,6 +241,20 @@ def launcher_env() -> tuple[int, int, int] | None:
     return values["RANK"], values["LOCAL_RANK"], values["WORLD_SIZE"]
 
 
+def torchrun_ranks(script: str, args: argparse.Namespace | None = None) -> tuple[int, int, int]:
+    """(rank, local rank, world size) of a worker that torchrun started, found as singlenode_cpu.py's
+    main() finds them: one line on how to launch `script` if no launcher started it, the data sizes
+    checked against the ranks and the memory (given the args), and the process set to end at once
+    on a stop signal or on torchrun's death."""
+    launched = launcher_env()
+    if launched is None:
+        die(f"start this script with torchrun, e.g. torchrun --standalone --nproc-per-node 2 {script}")
+    if args is not None:
+        check_sizes(args, launched[2], procs_on_node=int(os.environ["LOCAL_WORLD_SIZE"]))
+    exit_promptly_on_signals(launcher=PARENT_AT_START)
+    return launched
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now (it may be taken again before it is used)."""
     with listen_on_loopback(0) as sock:

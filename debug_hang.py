@@ -83,15 +83,11 @@ def step(args: argparse.Namespace, rank: int, world_size: int) -> None:
 
 def main() -> None:
     args = parse_args()
-    launched = common.launcher_env()
-    if launched is None:
-        common.die("start this script with torchrun, e.g. torchrun --standalone --nproc-per-node 2 debug_hang.py")
-    rank, _, world_size = launched
+    rank, _, world_size = common.torchrun_ranks("debug_hang.py")  # as singlenode_cpu.py
     if world_size < 2:
         common.die("a hang takes two ranks or more: torchrun --standalone --nproc-per-node 2 debug_hang.py")
     if args.stuck_rank >= world_size:
         common.die(f"--stuck_rank {args.stuck_rank} names no rank: there are {world_size} (0 to {world_size - 1})")
-    common.exit_promptly_on_signals(launcher=common.PARENT_AT_START)  # as singlenode_cpu.py
     timeout = timedelta(seconds=args.timeout)
     # The timeout bounds every collective of this group: the wait of a hang, but also the longest a
     # rank may legitimately lag behind the others (rank 0 saving a checkpoint, say).

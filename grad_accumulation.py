@@ -16,7 +16,6 @@ The data, the validation and the exact epoch means are singlenode_cpu.py's. Trai
 """
 import argparse
 import contextlib
-import os
 from datetime import timedelta
 
 import torch
@@ -119,13 +118,7 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
 
 def main() -> None:
     args = parse_args()
-    launched = common.launcher_env()
-    if launched is None:
-        common.die("start this script with torchrun, e.g. torchrun --standalone --nproc-per-node 2 "
-                   "grad_accumulation.py")
-    rank, local_rank, world_size = launched
-    common.check_sizes(args, world_size, procs_on_node=int(os.environ["LOCAL_WORLD_SIZE"]))
-    common.exit_promptly_on_signals(launcher=common.PARENT_AT_START)  # as singlenode_cpu.py
+    rank, local_rank, world_size = common.torchrun_ranks("grad_accumulation.py", args)  # as singlenode_cpu.py
     timeout = timedelta(seconds=args.timeout)
     dist.init_process_group("gloo", store=common.torchrun_store(timeout), rank=rank, world_size=world_size,
                             timeout=timeout)

@@ -124,20 +124,14 @@ def check_two_gpus_per_process(procs_on_node: int) -> None:
 
 def main() -> None:
     args = parse_args()
-    launched = common.launcher_env()
-    if launched is None:
-        common.die("start this script with torchrun, e.g. torchrun --standalone --nproc-per-node 2 model_parallel.py")
-    rank, local_rank, world_size = launched
-    procs_on_node = int(os.environ["LOCAL_WORLD_SIZE"])
-    common.check_sizes(args, world_size, procs_on_node=procs_on_node)
+    rank, local_rank, world_size = common.torchrun_ranks("model_parallel.py", args)  # as singlenode_cpu.py
     if args.device == "cuda":
-        check_two_gpus_per_process(procs_on_node)
+        check_two_gpus_per_process(int(os.environ["LOCAL_WORLD_SIZE"]))
         # Local rank r takes GPUs 2r and 2r+1, so no two processes on a node share a GPU.
         devices = (torch.device("cuda", 2 * local_rank), torch.device("cuda", 2 * local_rank + 1))
         torch.cuda.set_device(devices[0])  # before anything touches a GPU: else every process would use GPU 0
     else:
         devices = (torch.device("cpu"), torch.device("cpu"))
-    common.exit_promptly_on_signals(launcher=common.PARENT_AT_START)  # as singlenode_cpu.py
     timeout = timedelta(seconds=args.timeout)
     # No device_id: it names "a single, specific device this process will work on", and this one has two.
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", store=common.torchrun_store(timeout),

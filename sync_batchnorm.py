@@ -166,17 +166,12 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
 
 def main() -> None:
     args = parse_args()
-    launched = common.launcher_env()
-    if launched is None:
-        common.die("start this script with torchrun, e.g. torchrun --standalone --nproc-per-node 2 sync_batchnorm.py")
-    rank, local_rank, world_size = launched
-    common.check_sizes(args, world_size, procs_on_node=int(os.environ["LOCAL_WORLD_SIZE"]))
+    rank, local_rank, world_size = common.torchrun_ranks("sync_batchnorm.py", args)  # as singlenode_cpu.py
     device = torch.device("cpu")
     if args.backend == "nccl":
         common.check_gpus(int(os.environ["LOCAL_WORLD_SIZE"]), "--nproc-per-node", "sync_batchnorm.py --backend gloo")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)  # before init_process_group: otherwise every process allocates on GPU 0
-    common.exit_promptly_on_signals(launcher=common.PARENT_AT_START)  # as singlenode_cpu.py
     timeout = timedelta(seconds=args.timeout)
     dist.init_process_group(args.backend, store=common.torchrun_store(timeout), rank=rank, world_size=world_size,
                             timeout=timeout, device_id=device if device.type == "cuda" else None)

@@ -23,7 +23,6 @@ against one process, without torch.distributed, that computes what Join does.
 import argparse
 import contextlib
 import math
-import os
 import sys
 import time
 from datetime import timedelta
@@ -154,15 +153,10 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
 
 def main() -> None:
     args = parse_args()
-    launched = common.launcher_env()
-    if launched is None:
-        common.die("start this script with torchrun, e.g. torchrun --standalone --nproc-per-node 2 uneven_inputs.py")
-    rank, local_rank, world_size = launched
-    common.check_sizes(args, world_size, procs_on_node=int(os.environ["LOCAL_WORLD_SIZE"]))
+    rank, local_rank, world_size = common.torchrun_ranks("uneven_inputs.py", args)  # as singlenode_cpu.py
     if not file_of(0, world_size, args.train_size):
         common.die(f"--train_size {args.train_size} leaves rank 0 no sample: with {world_size} ranks it needs at least "
                    f"{world_size * (world_size + 1) // 2}")
-    common.exit_promptly_on_signals(launcher=common.PARENT_AT_START)  # as singlenode_cpu.py
     timeout = timedelta(seconds=args.timeout)
     dist.init_process_group("gloo", store=common.torchrun_store(timeout), rank=rank, world_size=world_size,
                             timeout=timeout)

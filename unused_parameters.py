@@ -23,7 +23,6 @@ learns the unused set in the first step and takes it as fixed from then on, with
 extra all-reduce; a set that changes from step to step (--branch_every 2) is an error.
 """
 import argparse
-import os
 import re
 import time
 from datetime import timedelta
@@ -146,13 +145,7 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
 
 def main() -> None:
     args = parse_args()
-    launched = common.launcher_env()
-    if launched is None:
-        common.die("start this script with torchrun, e.g. torchrun --standalone --nproc-per-node 2 "
-                   "unused_parameters.py")
-    rank, local_rank, world_size = launched
-    common.check_sizes(args, world_size, procs_on_node=int(os.environ["LOCAL_WORLD_SIZE"]))
-    common.exit_promptly_on_signals(launcher=common.PARENT_AT_START)  # as singlenode_cpu.py
+    rank, local_rank, world_size = common.torchrun_ranks("unused_parameters.py", args)  # as singlenode_cpu.py
     timeout = timedelta(seconds=args.timeout)
     dist.init_process_group("gloo", store=common.torchrun_store(timeout), rank=rank, world_size=world_size,
                             timeout=timeout)
