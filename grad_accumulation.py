@@ -12,7 +12,7 @@ communication counts the all-reduces, so the output shows the difference.
 
 The data, the validation and the exact epoch means are singlenode_cpu.py's. Training with
 --batch_size b and --accum_steps k takes the steps that singlenode_cpu.py takes with
---batch_size k×b, to float rounding (tests/test_features.py checks it).
+--batch_size k×b, to float rounding (tests/test_grad_accumulation.py checks it).
 """
 import argparse
 import contextlib
@@ -72,9 +72,10 @@ def train_one_epoch(model: DDP, loader: DataLoader, optimizer: torch.optim.Optim
         for i, (x, y) in enumerate(group):
             x, y = x.to(device), y.to(device)
             # Inside no_sync() backward only adds into .grad; the last micro-batch's backward runs
-            # outside it and all-reduces the accumulated sum. Every rank must agree on which
-            # backward that is (here: equal batch counts from DistributedSampler), or one rank waits
-            # in an all-reduce that another never starts.
+            # outside it and all-reduces the accumulated sum. The forward belongs inside too: DDP
+            # decides there whether the coming backward all-reduces. Every rank must agree on which
+            # backward is the last (here: equal batch counts from DistributedSampler), or one rank
+            # waits in an all-reduce that another never starts.
             last = i == len(group) - 1
             with contextlib.nullcontext() if last or always_sync else model.no_sync():
                 loss = F.mse_loss(model(x), y)
@@ -97,8 +98,9 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
     all_reduces = [0]
     model.register_comm_hook(all_reduces, count_all_reduces)
     if rank == 0:
-        print(f"{world_size} ranks × {args.accum_steps} micro-batches of {args.batch_size} = "
-              f"{world_size * args.accum_steps * args.batch_size} samples per optimizer step", flush=True)
+        micro = f"{args.accum_steps} micro-batch{'es' if args.accum_steps > 1 else ''} of {args.batch_size}"
+        print(f"{world_size} ranks × {micro} = {world_size * args.accum_steps * args.batch_size} samples per "
+              "optimizer step", flush=True)
 
     for epoch in range(args.max_epochs):
         train_loader.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank

@@ -19,6 +19,7 @@ plus each rank's own last batch; with --no_buffer_sync each rank's own. Synchron
 """
 import argparse
 import copy
+import math
 import os
 from datetime import timedelta
 
@@ -167,6 +168,13 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
 def main() -> None:
     args = parse_args()
     rank, local_rank, world_size = common.torchrun_ranks("sync_batchnorm.py", args)  # as singlenode_cpu.py
+    # DistributedSampler gives every rank ceil(train_size / world_size) samples; a batch of one of
+    # them has no per-rank statistics (BatchNorm raises in training), and this script computes them.
+    last = math.ceil(args.train_size / world_size) % args.batch_size
+    if 1 in (args.batch_size, last):
+        common.die(f"--batch_size {args.batch_size} and --train_size {args.train_size} on {world_size} rank"
+                   f"{'s' if world_size > 1 else ''} leave a batch of 1 sample, whose BatchNorm statistics do not "
+                   "exist: change either (a real job would drop the short last batch: DataLoader(drop_last=True))")
     device = torch.device("cpu")
     if args.backend == "nccl":
         common.check_gpus(int(os.environ["LOCAL_WORLD_SIZE"]), "--nproc-per-node", "sync_batchnorm.py --backend gloo")

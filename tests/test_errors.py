@@ -385,6 +385,10 @@ OPTIONS = {
         ["start_with_torchrun.py", "--train_size", str(10**12)],
         "--train_size 1000000000000 and --val_size 1024 on 1 process need 168,000,000,172,032 bytes of memory "
         "and this machine has "),
+    "a BatchNorm batch of one sample": (
+        ["sync_batchnorm.py", "--train_size", "65", "--batch_size", "32"],
+        "--batch_size 32 and --train_size 65 on 1 rank leave a batch of 1 sample, whose BatchNorm statistics do not "
+        "exist"),
     "bench buffers too large for memory": (
         ["bench_comm.py", "--max-bytes", "4096G"], "--max-bytes 4398046511104 for 6 operations on 1 process need "
         "79,164,837,199,872 bytes of memory and this machine has "),
