@@ -575,6 +575,8 @@ class Checkpoints:
         if type(epoch) is not int or epoch < 0:
             raise bad("epoch", f"is {epoch!r}, where a count of epochs done (an integer from 0) belongs")
         saved = checkpoint["config"]
+        if isinstance(saved, dict) and "clip_grad_norm" not in saved:
+            saved = {**saved, "clip_grad_norm": None}  # written before --clip_grad_norm existed: no clipping
         if not isinstance(saved, dict) or set(config) - set(saved):
             keys = sorted(set(config) - set(saved)) if isinstance(saved, dict) else sorted(config)
             raise bad("config", f"lacks {', '.join(keys)}")

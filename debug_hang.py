@@ -5,7 +5,7 @@ inside `if rank == 0:`. That rank waits in it for ranks that never call it, the 
 their next collective for that rank, and the job prints nothing for as long as the process group
 waits: 30 minutes for gloo and 10 for nccl, unless init_process_group gets a timeout. This script
 runs that bug, reduced to one step of a training loop (the all_reduce of a loss for the log, then
-the broadcast of rank 0's decision to stop), and shows three ways to see it:
+an all_gather of every rank's wish to stop early), and shows three ways to see it:
 
     torchrun --standalone --nproc-per-node 2 debug_hang.py
     torchrun --standalone --nproc-per-node 3 debug_hang.py --monitored_barrier --stuck_rank 2
@@ -62,7 +62,7 @@ def step(args: argparse.Namespace, rank: int, world_size: int) -> None:
             dist.all_reduce(loss)  # on every rank: only the print below is behind the guard
         elif rank == args.stuck_rank:
             # THE BUG: a collective behind a rank guard. This rank waits in it for the others, who
-            # never call it: they have gone on to the broadcast below, where they wait for this one.
+            # never call it: they have gone on to the all_gather below, where they wait for this one.
             dist.all_reduce(loss)
         if rank == 0 and args.fixed:
             print(f"mean loss over the ranks: {loss.item() / world_size:g}", flush=True)
@@ -71,9 +71,13 @@ def step(args: argparse.Namespace, rank: int, world_size: int) -> None:
             # Rank 0 waits for every other rank to arrive, then names those that did not. Its timeout
             # must be given: left out, it is the backend's default (30 minutes), not the group's.
             dist.monitored_barrier(timeout=timedelta(seconds=args.timeout), wait_all_ranks=True)
-        where = "broadcast"
-        stop = torch.zeros(1)
-        dist.broadcast(stop, src=0)  # every rank's next collective: rank 0's decision to stop early
+        where = "all_gather"
+        # Every rank's next collective: does any rank want to stop early? An all_gather needs every
+        # rank's part, so no rank gets past it without the stuck one. (A broadcast can complete on a
+        # rank that hears from rank 0 alone; an all_reduce would be paired by gloo with the guarded
+        # all_reduce, and add unrelated numbers: see uneven_inputs.py.)
+        wishes = [torch.zeros(1) for _ in range(world_size)]
+        dist.all_gather(wishes, torch.zeros(1))
     except RuntimeError as exc:  # gloo's timeouts and DETAIL's report alike
         message = str(exc).replace("\n", " ")
         common.die(f"[rank {rank}/{world_size}] {where} failed after {time.monotonic() - started:.1f} s: {message}",

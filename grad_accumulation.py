@@ -16,6 +16,7 @@ The data, the validation and the exact epoch means are singlenode_cpu.py's. Trai
 """
 import argparse
 import contextlib
+import math
 from datetime import timedelta
 
 import torch
@@ -121,6 +122,10 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
 def main() -> None:
     args = parse_args()
     rank, local_rank, world_size = common.torchrun_ranks("grad_accumulation.py", args)  # as singlenode_cpu.py
+    batches = math.ceil(math.ceil(args.train_size / world_size) / args.batch_size)  # a rank's, per epoch
+    if args.accum_steps > batches:
+        common.die(f"--accum_steps {args.accum_steps} is more than the {batches} micro-batches of --batch_size "
+                   f"{args.batch_size} that a rank holds in an epoch: lower either")
     timeout = timedelta(seconds=args.timeout)
     dist.init_process_group("gloo", store=common.torchrun_store(timeout), rank=rank, world_size=world_size,
                             timeout=timeout)

@@ -2,9 +2,11 @@
 
 Plain BatchNorm normalises with the mean and variance of the batch it sees: under DDP, of each rank's
 own b samples, not of the global batch of world_size × b as in one process. Synchronised BatchNorm
-all-reduces three numbers per feature (the count, the sum, the sum of squares) for the global batch's.
-On GPUs nn.SyncBatchNorm.convert_sync_batchnorm does it; torch 2.13's nn.SyncBatchNorm refuses CPU
-tensors in training (ValueError), so on CPUs this script synchronises by hand. Each rank first prints
+uses the global batch's. By hand, on CPUs, this script all-reduces three numbers per feature (the
+count, the sum, the sum of squares); on GPUs nn.SyncBatchNorm.convert_sync_batchnorm does it (its
+kernels all-gather each rank's mean, inverse standard deviation and count instead: the same
+statistics, and steadier in floating point than a sum of squares). torch 2.13's nn.SyncBatchNorm
+refuses CPU tensors in training (ValueError), hence the hand-written one. Each rank first prints
 how far BatchNorm on its first batch is from BatchNorm over the global batch in one process.
 
     torchrun --standalone --nproc-per-node 2 sync_batchnorm.py
@@ -173,8 +175,9 @@ def main() -> None:
     last = math.ceil(args.train_size / world_size) % args.batch_size
     if 1 in (args.batch_size, last):
         common.die(f"--batch_size {args.batch_size} and --train_size {args.train_size} on {world_size} rank"
-                   f"{'s' if world_size > 1 else ''} leave a batch of 1 sample, whose BatchNorm statistics do not "
-                   "exist: change either (a real job would drop the short last batch: DataLoader(drop_last=True))")
+                   f"{'s' if world_size > 1 else ''} leave a batch of 1 sample, whose per-rank BatchNorm statistics "
+                   "do not exist: change either (a real job would drop the short last batch: "
+                   "DataLoader(drop_last=True))")
     device = torch.device("cpu")
     if args.backend == "nccl":
         common.check_gpus(int(os.environ["LOCAL_WORLD_SIZE"]), "--nproc-per-node", "sync_batchnorm.py --backend gloo")

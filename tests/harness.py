@@ -8,7 +8,11 @@ The workers are forked from a server process that has imported torch once (multi
 forkserver, with the modules preloaded): a fresh interpreter would spend about 3.5 s of CPU on
 importing torch and torch._dynamo (which an optimizer's first step imports), in every worker of
 every test. The server is started once per test session, before any process group exists, and
-runs no threads of torch's, so forking it is safe.
+runs no threads of torch's, so forking it is safe. Two things follow from the fork. The workers
+see the environment that the test process had when the server started (at the first call), and
+torch.distributed has read TORCH_DISTRIBUTED_DEBUG by then: a test that needs other variables in
+its workers runs the script whole. And common.PARENT_AT_START is the test process in a worker, so
+a worker must not call common.exit_promptly_on_signals (train() does not; main() does).
 """
 import multiprocessing
 import os

@@ -24,11 +24,11 @@ def error_lines(stderr: str) -> list[re.Match]:
 def check_where_each_rank_waits(matches: list[re.Match], stuck_rank: int) -> None:
     for match in matches:
         rank = int(match[1])
-        assert match[3] == ("all_reduce" if rank == stuck_rank else "broadcast"), match[0]
+        assert match[3] == ("all_reduce" if rank == stuck_rank else "all_gather"), match[0]
 
 
 def test_a_collective_behind_a_rank_guard_fails_after_the_timeout_instead_of_hanging():
-    """Rank 0 waits in its all_reduce, rank 1 in the broadcast, and each gives up after --timeout
+    """Rank 0 waits in its all_reduce, rank 1 in the all_gather, and each gives up after --timeout
     (1 s). The rank whose wait ends first leaves, and a rank still waiting then sees the connection
     close instead; torchrun may also stop it before it prints. So: one line at least, every line
     about a second after the start, and the first rank to give up says that it timed out."""
@@ -48,13 +48,13 @@ def test_a_collective_behind_a_rank_guard_fails_after_the_timeout_instead_of_han
 
 def test_detail_reports_both_collectives_at_once():
     """The same bug with TORCH_DISTRIBUTED_DEBUG=DETAIL in the launch's environment: no wait for
-    the timeout (60 s here), the report names rank 0's all_reduce and rank 1's broadcast."""
+    the timeout (60 s here), the report names rank 0's all_reduce and rank 1's all_gather."""
     result = torchrun(2, "debug_hang.py", "--timeout", "60", env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, timeout=60)
     assert result.returncode == 1
     assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in result.stdout
     matches = error_lines(result.stderr)
     check_where_each_rank_waits(matches, stuck_rank=0)
-    ops = {0: "ALLREDUCE", 1: "BROADCAST"}
+    ops = {0: "ALLREDUCE", 1: "ALLGATHER"}
     for match in matches:
         rank = int(match[1])
         assert float(match[4]) < 10, match[0]

@@ -195,6 +195,17 @@ def test_a_checkpoint_from_another_world_size_resumes_with_a_warning(good_checkp
     assert "resuming from" in stdout and "epoch 1 |" in stdout
 
 
+def test_a_checkpoint_from_before_clip_grad_norm_resumes_as_one_without_clipping(good_checkpoint, tmp_path):
+    path = tmp_path / "ckpt.pt"
+    old = {**good_checkpoint, "config": {k: v for k, v in good_checkpoint["config"].items() if k != "clip_grad_norm"}}
+    torch.save(old, path)
+    code, _, stderr = run_main("start_with_torchrun.py", *LONGER, "--clip_grad_norm", "1", "--checkpoint", str(path))
+    assert code == 2 and "was written with --clip_grad_norm off, this run has --clip_grad_norm 1.0" in stderr
+    code, stdout, stderr = run_main("start_with_torchrun.py", *LONGER, "--checkpoint", str(path))
+    assert code == 0, stderr
+    assert "resuming from" in stdout and "epoch 1 |" in stdout
+
+
 def test_a_leftover_temporary_file_is_removed_and_the_checkpoint_used(good_checkpoint, tmp_path):
     path = tmp_path / "ckpt.pt"
     write(path, good_checkpoint)
@@ -385,10 +396,13 @@ OPTIONS = {
         ["start_with_torchrun.py", "--train_size", str(10**12)],
         "--train_size 1000000000000 and --val_size 1024 on 1 process need 168,000,000,172,032 bytes of memory "
         "and this machine has "),
+    "more micro-batches than an epoch holds": (
+        ["grad_accumulation.py", "--accum_steps", "100", "--train_size", "301", "--batch_size", "7"],
+        "--accum_steps 100 is more than the 43 micro-batches of --batch_size 7 that a rank holds in an epoch"),
     "a BatchNorm batch of one sample": (
         ["sync_batchnorm.py", "--train_size", "65", "--batch_size", "32"],
-        "--batch_size 32 and --train_size 65 on 1 rank leave a batch of 1 sample, whose BatchNorm statistics do not "
-        "exist"),
+        "--batch_size 32 and --train_size 65 on 1 rank leave a batch of 1 sample, whose per-rank BatchNorm "
+        "statistics do not exist"),
     "bench buffers too large for memory": (
         ["bench_comm.py", "--max-bytes", "4096G"], "--max-bytes 4398046511104 for 6 operations on 1 process need "
         "79,164,837,199,872 bytes of memory and this machine has "),
