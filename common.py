@@ -12,8 +12,10 @@ import errno
 import fcntl
 import hashlib
 import io
+import json
 import os
 import pickle
+import shutil
 import signal
 import socket
 import sys
@@ -116,6 +118,15 @@ def checkpoint_path(text: str) -> str:
     if text.endswith(os.sep):
         raise argparse.ArgumentTypeError(f"{text!r} ends in {os.sep}, so it names a folder: name a file in it")
     return text
+
+
+def checkpoint_folder(text: str) -> str:
+    """An argparse type: a path that can name a folder, for a checkpoint that every rank writes a file of."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: name a folder, or leave --checkpoint out to train without one")
+    if not text.rstrip(os.sep):
+        raise argparse.ArgumentTypeError(f"{text!r} is the root folder: name a folder for the checkpoint")
+    return text.rstrip(os.sep)
 
 
 def add_training_args(parser: argparse.ArgumentParser, checkpoint: bool = True) -> None:
@@ -650,3 +661,194 @@ def save_checkpoint(state: dict, path: str) -> None:
         if os.path.exists(tmp_path):
             os.remove(tmp_path)
         raise
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded checkpoints: a folder that every rank writes a file of (fsdp2.py)
+
+
+MANIFEST = "manifest.json"
+
+
+class ShardedCheckpoints:
+    """The checkpoint folder of one job: torch.distributed.checkpoint (DCP) has every rank write its
+    own file there, and reads them back on any number of ranks.
+
+    The guarantees of Checkpoints, for a folder. A missing checkpoint (or an empty folder) is a fresh
+    start. One that cannot be used stops every rank with the same line before training, and nothing
+    in it is changed. Rank 0 holds an exclusive lock (flock) on PATH.lock, which keeps a second job
+    off the path; the file stays, and is reused. Every save goes to the folder PATH.tmp. Once every
+    file is there, rank 0 writes manifest.json into it (each file's size and sha256, the epoch and
+    the run's settings) and swaps it in with two renames, PATH to PATH.old and PATH.tmp to PATH: a
+    crash between the two leaves no PATH but a whole PATH.old, which the next start puts back.
+    Every file is checked against its sha256 before DCP reads any: DCP itself checks nothing, and
+    loads a flipped byte as a changed weight. The check finds damage, not tampering: DCP unpickles
+    .metadata (pickle.load) and the values that are not tensors (torch.load, weights_only=False), and
+    unpickling can run code, so resume only from checkpoints that you wrote.
+    """
+
+    def __init__(self, path: str, rank: int, world_size: int) -> None:
+        self.path, self.rank, self.world_size = path, rank, world_size
+        self.target = os.path.realpath(path)  # behind a symbolic link, the folder that it names moves
+        self.tmp, self.old = f"{self.target}.tmp", f"{self.target}.old"
+        self.lock_fd: int | None = None
+        self.problem: str | None = None  # what rank 0 found while it tidied
+        self.manifest: dict | None = None
+
+    def tidy(self) -> None:
+        """Rank 0, before any rank looks at PATH: take the lock, put back a checkpoint that a save cut
+        short had moved aside, and remove a save that did not finish."""
+        try:
+            folder = os.path.dirname(self.target)
+            if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+                raise Unusable(f"cannot write checkpoint {self.path}: {folder} is not a writable directory")
+            lock_path = f"{self.target}.lock"
+            # O_NOFOLLOW: a symbolic link here would have us lock (and create) whatever file it names.
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise Unusable(f"another job is using checkpoint {self.path} (it holds {lock_path}): wait for it "
+                               "to finish or stop it, or pass another --checkpoint") from None
+            self.lock_fd = fd
+            if not os.path.lexists(self.target) and os.path.isdir(self.old):
+                os.rename(self.old, self.target)
+                print_line(f"put back {self.target}, which a save that did not finish had moved to {self.old}")
+            if os.path.lexists(self.tmp):
+                _remove(self.tmp)
+                print_line(f"removed {self.tmp}, left by a save that did not finish")
+        except Unusable as problem:
+            self.problem = str(problem)
+        except OSError as exc:
+            self.problem = f"cannot use checkpoint {self.path}: {exc.filename}: {exc.strerror}"
+
+    def check(self, config: dict) -> str:
+        """What this rank finds at PATH, in a line that every rank must share: a fresh start, the
+        manifest's epoch and digest, or "error: " and why it cannot be used. Each rank hashes its
+        share of the files, so that the check reads the checkpoint once in all, not once per rank."""
+        try:
+            if self.problem:
+                raise Unusable(self.problem)
+            if os.path.lexists(self.target) and not os.path.isdir(self.target):
+                raise Unusable(f"checkpoint {self.path} is not a directory: here --checkpoint names a folder, "
+                               "which every rank writes a file of")
+            if not os.path.isdir(self.target) or not os.listdir(self.target):
+                return "no checkpoint: a fresh start"
+            manifest, digest = self._read_manifest(config)
+            names = sorted(manifest["files"])
+            for name in names[self.rank::self.world_size]:
+                self._check_file(name, manifest["files"][name])
+        except Unusable as problem:
+            return f"error: {problem}"
+        except OSError as exc:
+            return f"error: cannot read checkpoint {self.path}: {exc.filename}: {exc.strerror}"
+        self.manifest = manifest
+        return f"epoch {manifest['epoch']} by {manifest['world_size']} ranks, manifest sha256 {digest[:16]}"
+
+    def require_agreement(self, found_by_rank: list[str]) -> dict | None:
+        """Stop every rank, with the same line, unless every rank found the same thing; return the
+        manifest (None: a fresh start)."""
+        for rank, found in enumerate(found_by_rank):
+            if found.startswith("error: "):
+                die(found.removeprefix("error: ") + ("" if rank == 0 else f" (found by rank {rank})"))
+        for rank, found in enumerate(found_by_rank):
+            if found != found_by_rank[0]:
+                die(f"rank {rank} finds {found} at {self.path}, rank 0 finds {found_by_rank[0]}: every rank must "
+                    "see the same folder (on several nodes, put it on storage that all of them share)")
+        return self.manifest
+
+    def hash_share(self, metadata) -> dict[str, dict]:
+        """The size and sha256 of this rank's share of the files of the save in PATH.tmp: those that
+        `metadata` (what dcp.save returned) names, and .metadata itself."""
+        names = sorted({info.relative_path for info in metadata.storage_data.values()} | {".metadata"})
+        return {name: _size_and_sha256(os.path.join(self.tmp, name)) for name in names[self.rank::self.world_size]}
+
+    def commit(self, shares: list[dict], epoch: int, config: dict) -> None:
+        """Rank 0: write the manifest into PATH.tmp, then swap PATH.tmp in for PATH."""
+        manifest = {"epoch": epoch, "world_size": len(shares), "config": config,
+                    "files": {name: entry for share in shares for name, entry in share.items()}}
+        try:
+            with open(os.path.join(self.tmp, MANIFEST), "w") as f:
+                json.dump(manifest, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_folder(self.tmp)
+            if os.path.isdir(self.old):  # left by a save cut short after its second rename: PATH is whole
+                shutil.rmtree(self.old)
+            if os.path.lexists(self.target):
+                os.rename(self.target, self.old)
+            os.rename(self.tmp, self.target)  # a crash just before: the next start puts PATH.old back
+            _fsync_folder(os.path.dirname(self.target))
+            shutil.rmtree(self.old, ignore_errors=True)
+        except OSError as exc:
+            die(f"could not save checkpoint {self.path}: {exc.strerror or exc} (the last one saved is whole)",
+                code=1)
+
+    def close(self) -> None:
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)  # releases the lock
+            self.lock_fd = None
+
+    def _read_manifest(self, config: dict) -> tuple[dict, str]:
+        try:
+            with open(os.path.join(self.target, MANIFEST), "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            raise Unusable(f"{self.path} holds no {MANIFEST}: it is not a checkpoint of these scripts, or its "
+                           "save never finished") from None
+        try:
+            manifest = json.loads(raw)
+            files, saved = manifest["files"], manifest["config"]
+            usable = (type(manifest["epoch"]) is int and manifest["epoch"] >= 0
+                      and type(manifest["world_size"]) is int and manifest["world_size"] >= 1
+                      and isinstance(saved, dict) and set(config) <= set(saved) and isinstance(files, dict)
+                      and ".metadata" in files and all(
+                          name == os.path.basename(name) and name not in (".", "..") and isinstance(entry, dict)
+                          and isinstance(entry.get("sha256"), str) and type(entry.get("bytes")) is int
+                          for name, entry in files.items()))
+        except (ValueError, KeyError, TypeError):  # not JSON, or not a dict where one belongs
+            usable = False
+        if not usable:
+            raise Unusable(f"cannot use checkpoint {self.path}: its {MANIFEST} is damaged, or not one that "
+                           "these scripts write")
+        for name in config:
+            if saved[name] != config[name]:
+                then, now = ("off" if value is None else value for value in (saved[name], config[name]))
+                raise Unusable(f"{self.path} was written with --{name} {then}, this run has --{name} {now}: "
+                               "use the same value, or another --checkpoint path to start afresh")
+        return manifest, hashlib.sha256(raw).hexdigest()
+
+    def _check_file(self, name: str, entry: dict) -> None:
+        kind = "shard" if name.endswith(".distcp") else "file"
+        try:
+            found = _size_and_sha256(os.path.join(self.target, name))
+        except FileNotFoundError:
+            raise Unusable(f"cannot use checkpoint {self.path}: its {kind} {name} is missing") from None
+        if found["bytes"] != entry["bytes"]:
+            raise Unusable(f"cannot use checkpoint {self.path}: its {kind} {name} holds {found['bytes']:,} bytes, "
+                           f"not the {entry['bytes']:,} written (cut short after it was written)")
+        if found["sha256"] != entry["sha256"]:
+            raise Unusable(f"cannot use checkpoint {self.path}: its {kind} {name} fails its sha256 check "
+                           "(damaged after it was written)")
+
+
+def _size_and_sha256(path: str) -> dict:
+    with open(path, "rb") as f:
+        return {"bytes": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+
+
+def _fsync_folder(path: str) -> None:
+    """Make the names in a folder durable (a rename, a new file), as fsync makes a file's bytes."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
