@@ -72,8 +72,10 @@ def run_job(method: str, world_size: int, args: argparse.Namespace) -> tuple[dic
             for m in HELD.finditer(done.stdout)}
     step = STEP.search(done.stdout)
     if done.returncode != 0 or sorted(held) != list(range(world_size)) or step is None:
-        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        common.die(f"the {method} job at {world_size} ranks failed (exit {done.returncode}): {tail}")
+        # The workers' own one-line error, not the box that torchrun draws after it.
+        errors = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("error:")]
+        said = errors[-1] if errors else "no error line; rerun the job by hand to see its output"
+        common.die(f"the {method} job at {world_size} ranks failed (exit {done.returncode}): {said}")
     return held, float(step[1])
 
 
@@ -99,7 +101,8 @@ def main() -> None:
     if common.launcher_env() is not None:
         common.die("start this script with plain python, e.g. python bench_memory.py: it starts its torchrun jobs "
                    "itself")
-    # Stopped, this process stops the job it is running first: torchrun ends its workers on SIGTERM.
+    # Stopped, this process exits, and subprocess.run kills the job's torchrun on the way out; its
+    # workers follow through Linux's parent-death signal (see common.exit_promptly_on_signals).
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     parameters = sum(p.numel() for p in build_model(args.model).parameters())
     common.print_line(f"# bench_memory.py: model {args.model} (Ψ = {parameters:,} parameters, fp32, Adam), "

@@ -15,6 +15,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
@@ -395,6 +396,9 @@ class Checkpoints:
             if self.rank == 0:
                 self._lock()
                 tmp = f"{self.target}.tmp"
+                if os.path.isdir(tmp) and not os.path.islink(tmp):  # a write leaves a file, never a folder
+                    raise Unusable(f"{tmp} is a folder, not what a checkpoint write leaves: move it away, or pass "
+                                   "another --checkpoint")
                 if os.path.lexists(tmp):  # ours to remove only once we hold the lock
                     os.remove(tmp)  # the torn remains of a write that crashed
                     print_line(f"removed {tmp}, left by a checkpoint write that did not finish")
@@ -668,6 +672,18 @@ def save_checkpoint(state: dict, path: str) -> None:
 
 
 MANIFEST = "manifest.json"
+# What a save writes into its folder: DCP's shards and .metadata (through .metadata.tmp), and the manifest.
+SAVED_NAMES = re.compile(r"__\d+_\d+\.distcp|\.metadata(\.tmp)?|manifest\.json")
+
+
+def _not_a_save(path: str) -> str | None:
+    """None if nothing is at `path`, or a folder that holds only what a save writes; else what is there."""
+    if not os.path.lexists(path):
+        return None
+    if os.path.islink(path) or not os.path.isdir(path):
+        return "something other than a folder"
+    others = sorted(name for name in os.listdir(path) if not SAVED_NAMES.fullmatch(name))
+    return f"{', '.join(others[:3])}{' and more' if len(others) > 3 else ''}" if others else None
 
 
 class ShardedCheckpoints:
@@ -712,6 +728,11 @@ class ShardedCheckpoints:
                 raise Unusable(f"another job is using checkpoint {self.path} (it holds {lock_path}): wait for it "
                                "to finish or stop it, or pass another --checkpoint") from None
             self.lock_fd = fd
+            for leftover in (self.old, self.tmp):  # ours to move or remove only if they hold what a save writes
+                foreign = _not_a_save(leftover)
+                if foreign:
+                    raise Unusable(f"{leftover} holds {foreign}, which no save of these scripts writes: move it "
+                                   "away, or pass another --checkpoint")
             if not os.path.lexists(self.target) and os.path.isdir(self.old):
                 os.rename(self.old, self.target)
                 print_line(f"put back {self.target}, which a save that did not finish had moved to {self.old}")

@@ -48,8 +48,9 @@ def parse_args() -> argparse.Namespace:
     # The wide model at bench_ddp.py's learning rate, as zero_optimizer.py (the small model's 0.005 overshoots).
     parser.set_defaults(model="wide", lr=1e-3, max_epochs=3, train_size=1024)  # seconds on 2 CPU cores
     parser.add_argument("--checkpoint", type=common.checkpoint_folder, default=None, metavar="DIR",
-                        help="a FOLDER: after every epoch each rank writes its shards into it; if it holds a "
-                             "checkpoint at start, training resumes from it, on any number of ranks")
+                        help="a FOLDER, replaced whole by every save: after every epoch each rank writes its "
+                             "shards into it; if it holds a checkpoint at start, training resumes from it, on any "
+                             "number of ranks")
     parser.add_argument("--export", default=None, metavar="PATH",
                         help="at the end rank 0 saves the whole model's state_dict here, for use without FSDP")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="gloo: CPUs; nccl: a GPU each")
@@ -57,6 +58,9 @@ def parse_args() -> argparse.Namespace:
                         help="bf16: layers gathered and computed in bf16, gradients averaged in fp32")
     common.reject_old_launcher_flag(parser)
     args = parser.parse_args()
+    if args.export and args.checkpoint and os.path.commonpath(
+            [os.path.realpath(args.export), os.path.realpath(args.checkpoint)]) == os.path.realpath(args.checkpoint):
+        parser.error(f"--export {args.export!r} is inside --checkpoint {args.checkpoint!r}, which every save replaces")
     if args.export and (os.path.isdir(args.export) or not os.access(os.path.dirname(os.path.abspath(args.export)),
                                                                      os.W_OK)):  # now, not after the training
         parser.error(f"--export {args.export!r} must name a file in a writable folder")
@@ -193,7 +197,10 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
         # on the CPU (cpu_offload). Called on rank 0 alone, it would wait for ever for the others.
         whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:
-            common.save_checkpoint(whole, args.export)  # a temporary file, fsync, rename
+            try:
+                common.save_checkpoint(whole, args.export)  # a temporary file, fsync, rename
+            except OSError as exc:  # a full disk, the folder gone: the checkpoint, if any, is whole
+                common.die(f"could not export the model to {args.export}: {exc.strerror or exc}", code=1)
             print(f"saved the whole model to {args.export}", flush=True)
     if rank == 0 and start_epoch >= args.max_epochs:
         print(f"{args.checkpoint} already holds {start_epoch} epochs: nothing to train. Raise --max_epochs or "

@@ -23,7 +23,9 @@ def fake_run(outputs: dict[str, str], code: int = 0):
     def run(command, **kwargs):
         script = next(word for word in command if word.endswith(".py")).rsplit("/", 1)[1]
         method = "DDP" if "--no_zero" in command else {"zero_optimizer.py": "ZeRO-1", "fsdp2.py": "FSDP2"}[script]
-        return subprocess.CompletedProcess(command, code, outputs[method], "error: it broke\n")
+        box = "=" * 60  # torchrun's report of a failed worker ends in one
+        stderr = f"[rank0]: Traceback ...\nerror: it broke\n{box}\nRoot Cause (first observed failure):\n{box}"
+        return subprocess.CompletedProcess(command, code, outputs[method], stderr)
     return run
 
 

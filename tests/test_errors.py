@@ -264,6 +264,9 @@ IN_PROCESS = {
     "a lock file that is a folder": (
         ["start_with_torchrun.py", *SMALL, "--checkpoint", "{tmp}/ckpt.pt"],
         "error: cannot lock checkpoint {tmp}/ckpt.pt: {tmp}/ckpt.pt.lock: Is a directory"),
+    "a temporary file that is a folder": (
+        ["start_with_torchrun.py", *SMALL, "--checkpoint", "{tmp}/ckpt.pt"],
+        "error: {tmp}/ckpt.pt.tmp is a folder, not what a checkpoint write leaves: move it away"),
     "checkpoint folder that does not exist": (
         ["start_with_torchrun.py", *SMALL, "--checkpoint", "{tmp}/missing/ckpt.pt"],
         "error: cannot write checkpoint {tmp}/missing/ckpt.pt: {tmp}/missing is not a directory"),
@@ -300,13 +303,16 @@ IN_PROCESS = {
 def test_bad_input_fails_with_one_clear_line(name, tmp_path, monkeypatch):
     argv, message = IN_PROCESS[name]
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    if name == "a lock file that is a folder":
-        (tmp_path / "ckpt.pt.lock").mkdir()
+    made = {"a lock file that is a folder": "ckpt.pt.lock", "a temporary file that is a folder": "ckpt.pt.tmp"}
+    if name in made:
+        (tmp_path / made[name]).mkdir()
     code, _, stderr = run_main(*[arg.format(tmp=tmp_path) for arg in argv])
     assert code == 2
     error_lines = [line for line in stderr.splitlines() if "error:" in line]  # argparse adds its usage
     assert len(error_lines) == 1 and message.format(tmp=tmp_path) in error_lines[0]
-    assert [p.name for p in tmp_path.iterdir()] in ([], ["ckpt.pt.lock"])  # nothing half-written or removed
+    left = {p.name for p in tmp_path.iterdir()}
+    assert left <= {"ckpt.pt.lock", made.get(name)}  # nothing half-written
+    assert name not in made or made[name] in left  # nor removed
 
 
 def test_a_port_in_use_is_named_with_how_to_pick_another():

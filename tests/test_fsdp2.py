@@ -284,6 +284,30 @@ def test_a_save_cut_short_is_tidied_and_a_second_job_is_locked_out(two, tmp_path
                                    "or its save never finished")
 
 
+def test_folders_beside_the_checkpoint_that_no_save_wrote_are_left_alone(tmp_path):
+    """A PATH.tmp or PATH.old of the user's own is refused in one line, not removed or moved."""
+    path = tmp_path / "mine"
+    for leftover in ("mine.tmp", "mine.old"):
+        (tmp_path / leftover).mkdir()
+        (tmp_path / leftover / "notes.txt").write_text("precious")
+        checkpoints = common.ShardedCheckpoints(str(path), 0, 1)
+        checkpoints.tidy()
+        assert checkpoints.check({}) == (f"error: {tmp_path / leftover} holds notes.txt, which no save of these "
+                                         "scripts writes: move it away, or pass another --checkpoint")
+        checkpoints.close()
+        assert (tmp_path / leftover / "notes.txt").read_text() == "precious"
+        shutil.rmtree(tmp_path / leftover)
+
+
+def test_an_export_inside_the_checkpoint_folder_is_refused_at_start(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(sys, "argv", ["fsdp2.py", "--checkpoint", str(tmp_path / "c"), "--export",
+                                      str(tmp_path / "c" / "wide.pt")])
+    with pytest.raises(SystemExit) as stop:
+        fsdp2.parse_args()
+    assert stop.value.code == 2
+    assert "is inside --checkpoint" in capsys.readouterr().err
+
+
 def test_started_without_torchrun_or_without_a_gpu_it_says_so_in_one_line(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["fsdp2.py"])
     with pytest.raises(SystemExit) as stop:
