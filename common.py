@@ -623,8 +623,8 @@ class Checkpoints:
         if not isinstance(groups, list) or not isinstance(saved.get("state"), dict) \
                 or not all(isinstance(group, dict) and isinstance(group.get("params"), list) for group in groups):
             raise bad("optimizer", "is not an optimizer's state_dict")
-        now = optimizer.state_dict()["param_groups"]
-        if [len(group["params"]) for group in groups] != [len(group["params"]) for group in now]:
+        # param_groups, not state_dict(): ZeroRedundancyOptimizer's state_dict() needs a collective first.
+        if [len(group["params"]) for group in groups] != [len(group["params"]) for group in optimizer.param_groups]:
             raise bad("optimizer", "holds state for other parameters than this model's")
         for group in groups:
             if group.get("lr") != config["lr"]:

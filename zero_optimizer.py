@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 import common
 from data import LOSS_FLOOR
 from model import build_model
-from singlenode_cpu import epoch_means, evaluate, make_loaders, settle_buckets
+from singlenode_cpu import epoch_means, evaluate, make_loaders, resume, settle_buckets
 
 
 def parse_args() -> argparse.Namespace:
@@ -79,30 +79,6 @@ def train_one_epoch(model: DDP, loader: DataLoader, optimizer: torch.optim.Optim
     return loss_sum, samples
 
 
-def resume(args: argparse.Namespace, rank: int, world_size: int, model: torch.nn.Module,
-           optimizer: torch.optim.Optimizer, checkpoints: common.Checkpoints, device: torch.device) -> int:
-    """Load the checkpoint, if there is one, on every rank; return the next epoch to run."""
-    # Checkpoints checks the file against an optimizer's state_dict(), which ZeRO's gives only on a
-    # rank that consolidate_state_dict() has sent the state to. A plain Adam over the same
-    # parameters lists them alike, and holds no state before its first step.
-    like = torch.optim.Adam(model.parameters(), lr=args.lr)
-    checkpoint, found = checkpoints.load(device, common.run_config(args, world_size), model, like)
-    # Every rank must have found the same file, or none resumes (singlenode_cpu.resume says why).
-    found_by_rank = [None] * world_size
-    dist.all_gather_object(found_by_rank, found)
-    checkpoints.require_agreement(found_by_rank)
-    if checkpoint is None:
-        return 0
-    model.load_state_dict(checkpoint["model"])
-    # Every rank passes the whole state; ZeRO keeps the entries of its own parameters and drops the
-    # rest. So each rank briefly holds all of it: a state too large for one rank needs a sharded
-    # format (torch.distributed.checkpoint), not this one file.
-    optimizer.load_state_dict(checkpoint["optimizer"])
-    if rank == 0 and checkpoint["epoch"] < args.max_epochs:
-        print(f"resuming from {args.checkpoint}: {checkpoint['epoch']} of {args.max_epochs} epochs done", flush=True)
-    return checkpoint["epoch"]  # the next epoch to run
-
-
 def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int, device: torch.device):
     train_loader, val_loader = make_loaders(args, rank, world_size)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
@@ -120,6 +96,9 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
 
     checkpoints = common.Checkpoints(args.checkpoint, rank) if args.checkpoint else None
     try:
+        # singlenode_cpu.py's resume: under ZeRO every rank passes the whole state to load_state_dict,
+        # which keeps the entries of its own parameters. So each rank briefly holds all of it: a state
+        # too large for one rank needs a sharded format (torch.distributed.checkpoint, as fsdp2.py).
         start_epoch = resume(args, rank, world_size, model, optimizer, checkpoints, device) if checkpoints else 0
         # gradient_as_bucket_view: each .grad is a view into DDP's all-reduce buckets, so the
         # gradients are held once; by default DDP keeps a second copy in its buckets.
