@@ -9,7 +9,8 @@ Rajbhandari et al. 2020, with K = 12 there for mixed precision; here everything 
 
     DDP      4Ψ parameters + 4Ψ gradients + 8Ψ optimizer state = 16Ψ on every rank
     ZeRO-1   4Ψ + 4Ψ + 8Ψ/N          (the state of whole parameters, assigned to ranks by size)
-    FSDP2    4Ψ/N + 4Ψ/N + 8Ψ/N = 16Ψ/N, plus one layer gathered while it runs (freed after)
+    FSDP2    4Ψ/N + 4Ψ/N + 8Ψ/N = 16Ψ/N, plus the layers gathered while they run (freed after): one
+             in forward, two in backward, with a layer's whole gradient until it is reduce-scattered
 
     python bench_memory.py
     python bench_memory.py --world_sizes 2 4 --max_epochs 2

@@ -207,9 +207,11 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int,
               "delete the folder.", flush=True)
     elif rank == 0:
         steps = [end - start for start, end in itertools.pairwise(ends) if start and end]  # not an epoch's first
-        common.print_line(f"done | val_loss:{val_loss:.6f} floor:{LOSS_FLOOR:.6f} ({val_loss / LOSS_FLOOR:.3f} × "
-                          f"floor)\nstep time: {1000 * statistics.median(steps or [math.nan]):.2f} ms (median of "
-                          f"{len(steps)} steps, rank 0)")
+        # From one step's end to the next: the batch's loading too, which is nothing here (zero_optimizer.py
+        # times from zero_grad() to step()).
+        common.print_line(f"step time: {1000 * statistics.median(steps or [math.nan]):.2f} ms (median of "
+                          f"{len(steps)} steps, rank 0)\ndone | val_loss:{val_loss:.6f} floor:{LOSS_FLOOR:.6f} "
+                          f"({val_loss / LOSS_FLOOR:.3f} × floor)")
     return model
 
 

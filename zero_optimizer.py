@@ -9,6 +9,7 @@ prints the bytes it holds after its first epoch; --no_zero trains with plain Ada
 
     torchrun --standalone --nproc-per-node 2 zero_optimizer.py
     torchrun --standalone --nproc-per-node 2 zero_optimizer.py --no_zero
+    torchrun --standalone --nproc-per-node 3 zero_optimizer.py --max_epochs 2 --checkpoint ckpt.pt
     torchrun --standalone --nproc-per-node 3 zero_optimizer.py --max_epochs 4 --checkpoint ckpt.pt
 
 The model is model.py's wide MLP (2,121,729 parameters). The data, the validation, the exact epoch
