@@ -78,3 +78,23 @@ def test_every_readme_command_names_a_script_and_options_it_accepts(command, mon
     module = __import__(script.removesuffix(".py"))
     monkeypatch.setattr(sys, "argv", [script, *argv])
     module.parse_args()  # argparse exits with status 2 on an unknown option
+
+
+def slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_to_a_page_or_section_of_the_docs_leads_somewhere():
+    pages = {path.relative_to(REPO).as_posix(): re.sub(r"```.*?```", "", path.read_text(), flags=re.DOTALL)
+             for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]}  # code blocks hold no headings
+    anchors = {name: {slug(h) for h in re.findall(r"^#+ (.*)$", text, re.MULTILINE)} for name, text in pages.items()}
+    for name, text in pages.items():
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if target.startswith("http"):
+                continue
+            file, _, anchor = target.partition("#")
+            page = (REPO / Path(name).parent / file).resolve().relative_to(REPO.resolve()).as_posix() if file else name
+            assert (REPO / page).exists(), f"{name}: {target} names no file"
+            if anchor:
+                assert anchor in anchors.get(page, set()), f"{name}: {target} names no section of {page}"
