@@ -22,7 +22,7 @@ from model import build_model
 PARAMETERS = 2_121_729  # the wide model: 20 × 1024 + 1024 + 2 × (1024 × 1024 + 1024) + 1024 + 1
 SIZES = ["--train_size", "96", "--val_size", "32", "--batch_size", "8", "--lr", "0.001", "--max_epochs", "2"]
 # The checkpoints hold the small default model: gathering the wide model's state on rank 0 takes
-# about 0.7 s per checkpoint (README), and the code that saves and loads is the same.
+# about 0.7 s per checkpoint (docs/sharding.md), and the code that saves and loads is the same.
 SMALL = [*SIZES, "--model", "mlp"]
 ONE_EPOCH = [*SIZES[:-1], "1", "--model", "mlp"]
 BYTES_LINE = re.compile(r"^\[rank (\d+)/(\d+)\] bytes held: parameters ([\d,]+) \| gradients ([\d,]+) \| "
