@@ -17,6 +17,7 @@ busbw over all_reduce's at the same size (all_reduce's time over the ring's), me
 
 Rank 0 prints a table (or, with --json, one JSON document). Started with plain python, it prints how to
 launch it and exits with status 2.
+Explained in docs/benchmarks.md.
 """
 import argparse
 import json

@@ -24,7 +24,7 @@ runs on every rank. The batches are drawn before timing: no data loading is meas
 
 --startup N, with plain python, times whole torchrun jobs of N workers in turn: workers that only join
 and leave, workers that also build a model and a torch.optim optimizer and take one DDP step, and
-singlenode_cpu.py. docs/benchmarks.md explains every figure and gives this machine's.
+singlenode_cpu.py. Explained in docs/benchmarks.md, which defines every figure and gives this machine's.
 """
 import argparse
 import json

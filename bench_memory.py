@@ -16,6 +16,7 @@ Rajbhandari et al. 2020, with K = 12 there for mixed precision; here everything 
     python bench_memory.py --world_sizes 2 4 --max_epochs 2
 
 Started under torchrun, it says to use plain python: it starts the jobs itself.
+Explained in docs/sharding.md.
 """
 import argparse
 import os

@@ -13,6 +13,7 @@ comm_intro.py comes first (send/recv, the first all_reduce, groups, rendezvous).
     torchrun --standalone --nproc-per-node 2 comm_collectives.py --backend nccl   # one GPU per process
 
 Started with plain python, it prints how to launch it and exits with status 2.
+Explained in docs/communication.md.
 """
 import argparse
 import copy

@@ -9,6 +9,7 @@ partner, so with one process those parts say so and are skipped. Next: comm_coll
     torchrun --standalone --nproc-per-node 2 comm_intro.py --backend nccl   # one GPU per process
 
 Started with plain python, it prints how to launch it and exits with status 2.
+Explained in docs/communication.md.
 """
 import argparse
 import os

@@ -17,8 +17,8 @@ an all_gather of every rank's wish to stop early), and shows three ways to see i
    that did not arrive (so rank 0 must be one that does: hence --stuck_rank 2).
 3. TORCH_DISTRIBUTED_DEBUG=DETAIL: each collective is first compared across ranks, and the
    mismatch is reported at once, naming both collectives.
---fixed calls the all_reduce on every rank and guards only the print: nothing waits. The README
-lists what to set when a real job hangs.
+--fixed calls the all_reduce on every rank and guards only the print: nothing waits. docs/troubleshooting.md
+lists what to set when a real job hangs. Explained in docs/past_the_basics.md.
 """
 import argparse
 import time

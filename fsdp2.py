@@ -13,6 +13,7 @@ its own shards.
 
 The third resumes on 2 ranks what 3 wrote (DCP reshards as it reads), and saves the whole model in
 wide.pt, which model.build_model("wide") loads without FSDP.
+Explained in docs/sharding.md.
 """
 import argparse
 import itertools

@@ -13,6 +13,7 @@ communication counts the all-reduces, so the output shows the difference.
 The data, the validation and the exact epoch means are singlenode_cpu.py's. Training with
 --batch_size b and --accum_steps k takes the steps that singlenode_cpu.py takes with
 --batch_size k×b, to float rounding (tests/test_grad_accumulation.py checks it).
+Explained in docs/past_the_basics.md.
 """
 import argparse
 import contextlib

@@ -12,6 +12,7 @@ where its inputs and outputs live. On GPUs, the process of local rank r uses GPU
 On CPUs both halves sit on the CPU: that run shows the API only, not two devices at work. The
 data, the validation and the exact epoch means are singlenode_cpu.py's, and so are the final
 weights, bit for bit once DDP lays out its bucket alike (tests/test_model_parallel.py says how).
+Explained in docs/past_the_basics.md.
 """
 import argparse
 import os

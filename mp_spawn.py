@@ -7,6 +7,7 @@ and nccl; without, CPU processes and gloo.
 
     python mp_spawn.py --max_epochs 2 --batch_size 32
     python mp_spawn.py --nprocs 4 --checkpoint ckpt.pt
+Explained in docs/first_training.md.
 """
 import argparse
 import math

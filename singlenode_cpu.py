@@ -12,7 +12,8 @@ mean loss over every sample of every rank, and the floor that the task allows.
 
 --standalone asks torchrun for a rendezvous on a free port of this host (the README says what
 torch 2.13 does without it). With --max-restarts a dead worker costs at most the epoch in flight.
-The README explains restarts, stopping a run, and how to run on several nodes.
+Explained in docs/first_training.md; docs/checkpoints.md explains restarts and stopping a run,
+docs/several_nodes.md how to run on several nodes.
 """
 import argparse
 import math

@@ -11,6 +11,7 @@ or in fp16 with a GradScaler, which must unscale the gradients before --clip_gra
 
 These models have no batch norm; sync_batchnorm.py shows torch.nn.SyncBatchNorm, which runs on
 GPU modules only, and the same synchronisation by hand on CPUs.
+Explained in docs/first_training.md.
 """
 import argparse
 import math

@@ -9,6 +9,7 @@ Every launcher sets RANK, LOCAL_RANK and WORLD_SIZE in each process's environmen
 where this script reads them. The old launcher without --use-env also appends --local-rank=N
 to the arguments, so the parser accepts it (and --local_rank, its spelling before torch 2.0).
 With CUDA, one process per GPU and nccl; without, CPU processes and gloo.
+Explained in docs/first_training.md.
 """
 import argparse
 import math

@@ -18,6 +18,7 @@ The running statistics that eval mode normalises with are buffers, and at the st
 DDP copies rank 0's over every rank's (forward_sync_buffers=True, the default; its old name
 broadcast_buffers is deprecated in 2.13). Per rank, they are then an average over rank 0's batches
 plus each rank's own last batch; with --no_buffer_sync each rank's own. Synchronised, all the same.
+Explained in docs/past_the_basics.md.
 """
 import argparse
 import copy

@@ -19,6 +19,7 @@ Without Join (--no_join) the ranks with batches left wait in their gradient all-
 batches on every rank: drop the extra ones, or pad as DistributedSampler does. The validation and
 the exact epoch means are singlenode_cpu.py's; tests/test_uneven_inputs.py holds the weights
 against one process, without torch.distributed, that computes what Join does.
+Explained in docs/past_the_basics.md.
 """
 import argparse
 import contextlib

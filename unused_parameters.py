@@ -21,6 +21,7 @@ from the outputs and marks the parameters it does not reach as ready, and every 
 a map of which parameters each rank used: one all-reduce more per step. static_graph=True: DDP
 learns the unused set in the first step and takes it as fixed from then on, with no search and no
 extra all-reduce; a set that changes from step to step (--branch_every 2) is an error.
+Explained in docs/past_the_basics.md.
 """
 import argparse
 import re

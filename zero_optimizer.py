@@ -15,6 +15,7 @@ prints the bytes it holds after its first epoch; --no_zero trains with plain Ada
 The model is model.py's wide MLP (2,121,729 parameters). The data, the validation, the exact epoch
 means and the checkpoints are singlenode_cpu.py's; the file holds the whole optimizer state, gathered
 on rank 0, as plain Adam's state_dict: --no_zero resumes from it.
+Explained in docs/sharding.md.
 """
 import argparse
 import statistics

@@ -14,12 +14,14 @@ torch.distributed has read TORCH_DISTRIBUTED_DEBUG by then: a test that needs ot
 its workers runs the script whole. And common.PARENT_AT_START is the test process in a worker, so
 a worker must not call common.exit_promptly_on_signals (train() does not; main() does).
 """
+import importlib
 import multiprocessing
 import os
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -56,6 +58,27 @@ def _read(folder: str, name: str) -> str:
     return path.read_text() if path.exists() else ""
 
 
+def _start_and_join(target: Callable, world_size: int, args: Callable[[int], tuple], timeout: float) -> list:
+    """Start target(*args(rank)) on every rank from the forkserver, wait for all of them until the
+    deadline, kill what is left; return the exit codes (None where killed)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)  # read when the server starts: at the first call
+    procs = [context.Process(target=target, args=args(rank)) for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        codes = [proc.exitcode for proc in procs]
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return codes
+
+
 def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 60) -> tuple[list, list, list[str], list[str]]:
     """Run fn(rank, world_size, *args) on every rank; return (exit codes, results, stdouts, stderrs),
     each by rank (a rank that failed has no result: None).
@@ -64,25 +87,9 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 60) -> tupl
     process, which receives it by pickle.
     A rank still running at the deadline is killed, and its exit code is None.
     """
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)  # read when the server starts: at the first call
     with tempfile.TemporaryDirectory() as folder:
-        procs = [
-            context.Process(target=_worker, args=(fn, rank, world_size, folder, timeout, args))
-            for rank in range(world_size)
-        ]
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + timeout
-        try:
-            for proc in procs:
-                proc.join(max(0.0, deadline - time.monotonic()))
-        finally:
-            codes = [proc.exitcode for proc in procs]
-            for proc in procs:
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
+        codes = _start_and_join(_worker, world_size, lambda rank: (fn, rank, world_size, folder, timeout, args),
+                                timeout)
         outputs = [[_read(folder, f"{name}{rank}.txt") for rank in range(world_size)] for name in ("stdout", "stderr")]
         paths = [Path(folder, f"result{rank}.pt") for rank in range(world_size)]
         results = [torch.load(path, weights_only=True) if path.exists() else None for path in paths]
@@ -98,3 +105,64 @@ def spawn(fn: Callable, world_size: int, *args, timeout: float = 60) -> tuple[li
         details = "\n".join(f"--- rank {rank} (exit {codes[rank]}) stderr\n{stderrs[rank]}" for rank in failed)
         raise AssertionError(f"ranks {failed} failed\n{details}")
     return results, stdouts
+
+
+@dataclass
+class Launch:
+    """What each rank of a launch left behind, by rank."""
+    codes: list[int | None]
+    stdouts: list[str]
+    stderrs: list[str]
+
+    @property
+    def stdout(self) -> str:
+        return "".join(self.stdouts)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.stderrs)
+
+
+def _main_worker(script: str, argv: list[str], env: dict[str, str], cwd: str, folder: str, rank: int) -> None:
+    for fd, name in ((1, "stdout"), (2, "stderr")):  # torch's C++ warnings too, as a terminal shows them
+        with open(os.path.join(folder, f"{name}{rank}.txt"), "w") as file:
+            os.dup2(file.fileno(), fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    os.environ.update(env)
+    torch.set_num_threads(1)  # as torchrun's OMP_NUM_THREADS=1, which this process read too late
+    module = importlib.import_module(script.removesuffix(".py"))
+    common.PARENT_AT_START = os.getppid()  # this worker's launcher: the forkserver
+    os.chdir(cwd)
+    sys.argv = [script, *argv]
+    code = 0
+    try:
+        module.main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def torchrun_in_process(nproc: int, script: str, *argv: str, cwd: Path | None = None, env: dict | None = None,
+                        timeout: float = 60) -> Launch:
+    """`torchrun --standalone --nproc-per-node N script argv`, without torchrun: each rank runs the
+    script's main() in a worker forked from the server, with the variables torchrun would give it,
+    and meets the others at a store that this process hosts, on a port the system picks, as torchrun's
+    agent hosts its own. What it leaves out is the launch itself (tests/launch.py runs that) and the
+    variables read at import, such as TORCH_DISTRIBUTED_DEBUG."""
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout))
+    base = {"LOCAL_WORLD_SIZE": str(nproc), "WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+            "MASTER_ADDR": "localhost", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "OMP_NUM_THREADS": "1",
+            **(env or {})}
+    with tempfile.TemporaryDirectory() as folder:
+        def args(rank: int) -> tuple:
+            ranks = {"RANK": str(rank), "LOCAL_RANK": str(rank)}
+            return script, list(argv), {**base, **ranks}, str(cwd or folder), folder, rank
+        codes = _start_and_join(_main_worker, nproc, args, timeout)
+        outputs = [[_read(folder, f"{name}{rank}.txt") for rank in range(nproc)] for name in ("stdout", "stderr")]
+    del store
+    return Launch(codes, *outputs)

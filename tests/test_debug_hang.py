@@ -5,6 +5,7 @@ import re
 import sys
 
 import pytest
+from docs_blocks import documented, rerun
 from harness import run_ranks
 from launch import torchrun
 
@@ -46,13 +47,17 @@ def test_a_collective_behind_a_rank_guard_fails_after_the_timeout_instead_of_han
         assert timed_out.fullmatch(match[5]) or closed.fullmatch(match[5]), match[0]
 
 
+DETAIL = "TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone --nproc-per-node 2 debug_hang.py"
+
+
 def test_detail_reports_both_collectives_at_once():
-    """The same bug with TORCH_DISTRIBUTED_DEBUG=DETAIL in the launch's environment: no wait for
-    the timeout (60 s here), the report names rank 0's all_reduce and rank 1's all_gather."""
-    result = torchrun(2, "debug_hang.py", "--timeout", "60", env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, timeout=60)
-    assert result.returncode == 1
-    assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in result.stdout
-    matches = error_lines(result.stderr)
+    """The same bug with TORCH_DISTRIBUTED_DEBUG=DETAIL in the launch's environment, run whole as
+    docs/past_the_basics.md shows it: no wait for the timeout (5 s), the report names rank 0's
+    all_reduce and rank 1's all_gather."""
+    output, = rerun(documented(DETAIL).line)  # shared with the docs test
+    assert output.codes == (1,)
+    assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in output.text
+    matches = error_lines(output.text)
     check_where_each_rank_waits(matches, stuck_rank=0)
     ops = {0: "ALLREDUCE", 1: "ALLGATHER"}
     for match in matches:

@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 from conftest import ARGV
+from docs_blocks import documented, rerun
 from harness import run_ranks
 from launch import REPO, TORCHRUN, Group, epoch_losses, python, run
 from test_train import parse
@@ -45,39 +46,47 @@ def random_moments(count: int) -> dict[str, tuple[str, str]]:
     return moments
 
 
-def restart_after_kills(kills: list[tuple[str, str]], tmp_path, ddp_runs) -> str:
-    """torchrun's documented restart command at 3 ranks, on torchrun's shared store, with a worker
-    killed at each of `kills` in turn: the run ends as if nothing happened, bit for bit. Its stdout."""
-    checkpoint = tmp_path / "ckpt.pt"
-    ranks, moments = zip(*kills, strict=True)
-    result = run(
-        [TORCHRUN, "--standalone", "--nproc-per-node", "3", "--max-restarts", "3",
-         "singlenode_cpu.py", *ARGV, "--checkpoint", str(checkpoint)],
-        env={**INJECT, **SHARED_STORE, "KILL_RANK": ",".join(ranks), "KILL_AT": ",".join(moments)}, timeout=150,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+# The chain as docs/checkpoints.md shows it, with the output the docs test compares.
+DOCUMENTED = ("PYTHONPATH=tests/inject KILL_RANK=2,1,0 KILL_AT=init:1,eval:5,save:1 torchrun --standalone "
+              "--nproc-per-node 3 --max-restarts 3 singlenode_cpu.py " + " ".join(ARGV) + " --checkpoint ckpt.pt")
+
+
+def check_restarted(code: int, stdout: str, folder, kills: list[tuple[str, str]], ddp_runs) -> None:
+    """torchrun's documented restart command at 3 ranks, with a worker killed at each of `kills` in
+    turn, ended as if nothing happened, bit for bit."""
+    assert code == 0, stdout[-3000:]
     for rank, moment in kills:
-        assert f"[inject] SIGKILL rank {rank} at {moment.replace(':', ' ')}" in result.stdout  # it did happen
-    assert sorted(epoch_losses(result.stdout)) == [0, 1, 2]  # each epoch completed exactly once
-    saved = torch.load(checkpoint, weights_only=True)
+        assert f"[inject] SIGKILL rank {rank} at {moment.replace(':', ' ')}" in stdout  # it did happen
+    assert sorted(epoch_losses(stdout)) == [0, 1, 2]  # each epoch completed exactly once
+    saved = torch.load(folder / "ckpt.pt", weights_only=True)
     assert saved["epoch"] == 3
     uninterrupted, _ = ddp_runs[3]
     for name, tensor in uninterrupted[0].items():
         assert torch.equal(saved["model"][name], tensor), name
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]  # no .tmp, no .lock
-    return result.stdout
+    assert sorted(p.name for p in folder.iterdir()) == ["ckpt.pt"]  # no .tmp, no .lock
 
 
-def test_three_killed_workers_in_a_row_cost_nothing_under_max_restarts(ddp_runs, tmp_path):
-    stdout = restart_after_kills(KILL_CHAIN, tmp_path, ddp_runs)
-    assert stdout.count("resuming from") == 2  # attempts 2 and 3; epoch 0 was not saved before attempt 1
-    assert f"removed {tmp_path / 'ckpt.pt'}.tmp, left by a checkpoint write that did not finish" in stdout
+def test_three_killed_workers_in_a_row_cost_nothing_under_max_restarts(ddp_runs):
+    """Run as the docs show it (rerun once, shared with tests/test_docs_output.py), on torchrun's
+    shared rendezvous store unless the environment says otherwise."""
+    documented(DOCUMENTED)
+    output, = rerun(DOCUMENTED)
+    check_restarted(output.codes[0], output.text, output.cwd, KILL_CHAIN, ddp_runs)
+    assert output.text.count("resuming from") == 2  # attempts 2 and 3; epoch 0 was not saved before attempt 1
+    assert f"removed {(output.cwd / 'ckpt.pt').resolve()}.tmp, left by a checkpoint write that did not finish" in \
+        output.text
 
 
 @pytest.mark.parametrize("moment", random_moments(int(os.environ.get("RESTART_TRIALS", "1"))).items(),
                          ids=lambda item: item[0])
 def test_a_worker_killed_at_a_random_moment_costs_nothing(moment, ddp_runs, tmp_path):
-    restart_after_kills([moment[1]], tmp_path, ddp_runs)
+    rank, at = moment[1]
+    result = run(
+        [TORCHRUN, "--standalone", "--nproc-per-node", "3", "--max-restarts", "3",
+         "singlenode_cpu.py", *ARGV, "--checkpoint", str(tmp_path / "ckpt.pt")],
+        env={**INJECT, **SHARED_STORE, "KILL_RANK": rank, "KILL_AT": at}, timeout=150,
+    )
+    check_restarted(result.returncode, result.stdout + result.stderr[-3000:], tmp_path, [moment[1]], ddp_runs)
 
 
 def test_a_stop_signal_keeps_the_checkpoint_whole_and_the_rerun_resumes(ddp_runs, tmp_path):

@@ -88,7 +88,7 @@ def hosts():
 
 
 def test_two_hosts_restart_after_a_killed_worker_and_train_what_one_host_trains(hosts, ddp_runs, tmp_path):
-    """The README's command for several nodes: a worker on the second host dies in epoch 1, both
+    """docs/several_nodes.md's command for several nodes: a worker on the second host dies in epoch 1, both
     agents restart their workers, and the job ends with the weights of one host with 4 workers."""
     if not hosts.netns:
         print("no network namespaces here (needs root and iproute2): both agents on 127.0.0.1")

@@ -1,11 +1,12 @@
-"""The README's commands and sample output are the ones that work."""
+"""The commands of the README and docs/, and the README's sample output, are the ones that work."""
 import re
 import shlex
 import sys
 from pathlib import Path
 
 import pytest
-from launch import DONE_LINE, EPOCH_LINE, REPO, check, epoch_losses, run
+from docs_blocks import Output, by_rank, check_output, documented
+from launch import DONE_LINE, REPO, check, epoch_losses, run
 
 README = (REPO / "README.md").read_text()
 DOCS = "\n".join(path.read_text() for path in sorted((REPO / "docs").glob("*.md")))
@@ -29,15 +30,15 @@ def test_quick_start_is_two_commands_and_ci_runs_the_second():
 
 @pytest.mark.skipif(Path(sys.prefix) != REPO / ".venv", reason="runs the setup as written only inside the repo's .venv")
 def test_quick_start_trains_within_ten_percent_of_the_floor():
-    stdout = check(run(quick_start()[0], shell=True, timeout=240))
+    result = run(quick_start()[0], shell=True, timeout=240)
+    stdout = check(result)
     assert sorted(epoch_losses(stdout)) == list(range(10))
     val_loss, floor = map(float, DONE_LINE.search(stdout).groups())
     assert val_loss <= 1.1 * floor
-    # The README's sample output is this run's output, line for line.
-    sample = README.split("$ torchrun --standalone --nproc-per-node 8 singlenode_cpu.py", 1)[1].split("```")[0]
-    for pattern in (EPOCH_LINE, DONE_LINE):
-        lines = [m.group(0) for m in pattern.finditer(sample)]
-        assert lines and lines == [m.group(0) for m in pattern.finditer(stdout)]
+    # The README's sample output is this run's output, compared as tests/test_docs_output.py compares.
+    command = documented("torchrun --standalone --nproc-per-node 8 singlenode_cpu.py")
+    streams = tuple(map(tuple, by_rank(result.stdout) + by_rank(result.stderr)))
+    check_output(command, Output((result.returncode,), streams, REPO), "README.md")
 
 
 def readme_commands() -> list[list[str]]:
