@@ -53,7 +53,7 @@ def size_in_bytes(text: str) -> int:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument(
         "--backend", choices=("gloo", "nccl"), default="nccl" if torch.cuda.is_available() else "gloo",
         help="gloo for CPU tensors, nccl for CUDA tensors (one GPU per process); default: nccl if CUDA is available",

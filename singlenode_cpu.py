@@ -238,8 +238,8 @@ def main() -> None:
     common.exit_promptly_on_signals(launcher=common.PARENT_AT_START)
 
     timeout = timedelta(seconds=args.timeout)
-    # store None: env:// reads MASTER_ADDR and MASTER_PORT from torchrun. Under torchrun's shared
-    # store, each restart meets under keys of its own (common.torchrun_store says why).
+    # torchrun's own store, in which each restart meets under keys of its own (common.torchrun_store
+    # says why); None without one, and then env:// reads MASTER_ADDR and MASTER_PORT.
     dist.init_process_group("gloo", store=common.torchrun_store(timeout), rank=rank, world_size=world_size,
                             timeout=timeout)
     try:

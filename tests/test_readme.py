@@ -1,4 +1,5 @@
 """The commands of the README and docs/, and the README's sample output, are the ones that work."""
+import ast
 import re
 import shlex
 import sys
@@ -99,3 +100,15 @@ def test_every_link_to_a_page_or_section_of_the_docs_leads_somewhere():
             assert (REPO / page).exists(), f"{name}: {target} names no file"
             if anchor:
                 assert anchor in anchors.get(page, set()), f"{name}: {target} names no section of {page}"
+
+
+LESSONS = [*SCRIPTS, "comm_intro", "comm_collectives", "bench_comm"]
+
+
+@pytest.mark.parametrize("script", LESSONS)
+def test_each_lesson_names_its_docs_page_in_its_opening_comment_and_the_page_names_it(script):
+    docstring = ast.get_docstring(ast.parse((REPO / f"{script}.py").read_text()))
+    pages = re.findall(r"docs/\w+\.md", docstring)
+    assert pages, f"{script}.py's opening comment names no page of docs/"
+    for page in pages:
+        assert f"{script}.py" in (REPO / page).read_text(), f"{page} does not mention {script}.py"
