@@ -46,13 +46,14 @@ class Block:
 
 
 def blocks() -> list[Block]:
+    """Every console block, indented (in a list) or not, whatever its fence's spacing."""
     found = []
     for path in PAGES:
         text = path.read_text()
-        for match in re.finditer(r"^```console\n(.*?)^```", text, re.DOTALL | re.MULTILINE):
+        for match in re.finditer(r"^([ \t]*)```[ \t]*console[ \t]*\n(.*?)^[ \t]*```", text, re.DOTALL | re.MULTILINE):
             before = text[: match.start()].rstrip("\n").splitlines()
-            marker = MACHINE.match(before[-1]) if before else None
-            commands, lines = [], match[1].splitlines()
+            marker = MACHINE.match(before[-1].strip()) if before else None
+            commands, lines = [], [line.removeprefix(match[1]) for line in match[2].splitlines()]
             for line in lines:
                 if line.startswith("$ "):
                     commands.append((line[2:], []))
@@ -71,9 +72,11 @@ def blocks() -> list[Block]:
 
 
 def normalise(line: str) -> str:
-    line = re.sub(r"(?:file://)?/tmp/[^\s,:]+", "<tmp>", line.rstrip())
-    line = re.sub(r"\b(?:localhost|127\.0\.0\.1):\d+", "<host>:<port>", line)
-    return re.sub(r"\d+(?:\.\d+)? ?(?:s|ms|us|µs)\b", "<time>", line)
+    """What varies by nature, made equal: a measured time (a number with a decimal point before s,
+    ms or us; `timeout 1 s` or `1000ms` stay as they are), a port, the folders of a /tmp path."""
+    line = re.sub(r"(?:file://)?/tmp/(?:[^\s,:/]+/)*", "<tmp>/", line.rstrip())
+    line = re.sub(r"\b(localhost|127\.0\.0\.1):\d+", r"\1:<port>", line)
+    return re.sub(r"\d+\.\d+ ?(?:s|ms|us|µs)\b", "<time>", line)
 
 
 @functools.cache
@@ -81,29 +84,40 @@ def pattern(shown: str) -> re.Pattern:
     return re.compile(".*".join(re.escape(part) for part in normalise(shown).split("...")))
 
 
+MAX_STATES = 100_000
+
+
 def mismatch(shown: tuple[str, ...], streams: list[list[str]]) -> str | None:
     """None if `shown` is one interleaving of the streams (each a process's lines, in order), with
-    `...` as described above; else the first line of `shown` that no interleaving reaches."""
+    `...` as described above; else the first line of `shown` that no interleaving gets past.
+
+    A `...` line takes, from each stream, the lines just ahead of it, as many as it likes: since
+    the order across streams is free, that is the same as letting each stream skip once, before
+    its next line that `shown` matches. So the search keeps, for each way of matching so far, each
+    stream's position and whether it may still skip; there are few such ways unless many streams
+    print the same line."""
     streams = [[normalise(line) for line in stream if line.strip()] for stream in streams]
     shown = tuple(line for line in shown if line.strip())
-    furthest = 0
-
-    @functools.cache
-    def fits(i: int, at: tuple[int, ...]) -> bool:
-        nonlocal furthest
-        furthest = max(furthest, i)
-        if i == len(shown):
-            return all(p == len(s) for p, s in zip(at, streams, strict=True))
-        ahead = [k for k, s in enumerate(streams) if at[k] < len(s)]
-        step = lambda k: at[:k] + (at[k] + 1,) + at[k + 1:]  # noqa: E731
-        if shown[i].strip() == "...":
-            return fits(i + 1, at) or any(fits(i, step(k)) for k in ahead)
-        return any(pattern(shown[i]).fullmatch(streams[k][at[k]]) and fits(i + 1, step(k)) for k in ahead)
-
-    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10 * (len(shown) + sum(map(len, streams)))))
-    if fits(0, (0,) * len(streams)):
+    states = {((0,) * len(streams), (False,) * len(streams))}
+    for line in shown:
+        if line.strip() == "...":
+            states = {(at, (True,) * len(streams)) for at, _ in states}
+            continue
+        match = pattern(line).fullmatch
+        following = set()
+        for at, may_skip in states:
+            for k, stream in enumerate(streams):
+                ends = range(at[k], len(stream)) if may_skip[k] else range(at[k], min(at[k] + 1, len(stream)))
+                for j in (j for j in ends if match(stream[j])):
+                    following.add((at[:k] + (j + 1,) + at[k + 1:], may_skip[:k] + (False,) + may_skip[k + 1:]))
+        if not following:
+            return f"{line}   (no process printed this line next; or a line before it is missing)"
+        if len(following) > MAX_STATES:
+            return f"{line}   (too many ways to match: split the block, or show fewer `...` lines)"
+        states = following
+    if any(all(p == len(s) or skip for p, s, skip in zip(at, streams, may, strict=True)) for at, may in states):
         return None
-    return shown[furthest] if furthest < len(shown) else "(the end: the run printed more)"
+    return "(the end: the run printed more)"
 
 
 def by_rank(text: str) -> list[list[str]]:
@@ -192,8 +206,15 @@ def succeeded(line: str) -> str:
 
 
 def check_output(command: Command, output: Output, where: str) -> None:
+    """The output matches, and the exit status is what the block implies: a block that shows an
+    `error:` line failed (every process ended, not all with 0), and any other succeeded."""
     wrong = mismatch(command.output, [list(stream) for stream in output.streams])
     assert wrong is None, f"{where}: `{command.line}` did not print\n    {wrong}\nIt printed:\n{output.text}"
+    shows_error = any(line.startswith("error: ") for line in command.output)
+    ended = None not in output.codes
+    assert ended and any(output.codes) == shows_error, (
+        f"{where}: `{command.line}` exited {output.codes}, but its block shows "
+        f"{'an error' if shows_error else 'no error'}\n{output.text}")
 
 
 def check_block(block: Block) -> None:

@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,7 +37,23 @@ import common
 PRELOAD = ["common", "torch", "torch._dynamo", "torch.distributed", "workers"]
 
 
-def _worker(fn: Callable, rank: int, world_size: int, folder: str, timeout: float, args: tuple) -> None:
+def _end_with(test_process: int) -> None:
+    """End this worker if the test process dies: a test run killed (by a timeout's SIGTERM, or
+    SIGKILL) while a rank hangs would otherwise leave the rank, and with it the forkserver, running."""
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            try:
+                os.kill(test_process, 0)
+            except ProcessLookupError:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="test-process-watch").start()
+
+
+def _worker(fn: Callable, rank: int, world_size: int, folder: str, timeout: float, args: tuple,
+            test_process: int) -> None:
+    _end_with(test_process)
     sys.stdout = open(os.path.join(folder, f"stdout{rank}.txt"), "w", buffering=1)  # noqa: SIM115
     sys.stderr = open(os.path.join(folder, f"stderr{rank}.txt"), "w", buffering=1)  # noqa: SIM115
     torch.set_num_threads(1)  # N workers share the machine's cores
@@ -88,8 +105,9 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 60) -> tupl
     A rank still running at the deadline is killed, and its exit code is None.
     """
     with tempfile.TemporaryDirectory() as folder:
-        codes = _start_and_join(_worker, world_size, lambda rank: (fn, rank, world_size, folder, timeout, args),
-                                timeout)
+        def worker_args(rank: int) -> tuple:
+            return fn, rank, world_size, folder, timeout, args, os.getpid()
+        codes = _start_and_join(_worker, world_size, worker_args, timeout)
         outputs = [[_read(folder, f"{name}{rank}.txt") for rank in range(world_size)] for name in ("stdout", "stderr")]
         paths = [Path(folder, f"result{rank}.pt") for rank in range(world_size)]
         results = [torch.load(path, weights_only=True) if path.exists() else None for path in paths]
@@ -123,7 +141,9 @@ class Launch:
         return "".join(self.stderrs)
 
 
-def _main_worker(script: str, argv: list[str], env: dict[str, str], cwd: str, folder: str, rank: int) -> None:
+def _main_worker(script: str, argv: list[str], env: dict[str, str], cwd: str, folder: str, rank: int,
+                 test_process: int) -> None:
+    _end_with(test_process)
     for fd, name in ((1, "stdout"), (2, "stderr")):  # torch's C++ warnings too, as a terminal shows them
         with open(os.path.join(folder, f"{name}{rank}.txt"), "w") as file:
             os.dup2(file.fileno(), fd)
@@ -161,7 +181,7 @@ def torchrun_in_process(nproc: int, script: str, *argv: str, cwd: Path | None = 
     with tempfile.TemporaryDirectory() as folder:
         def args(rank: int) -> tuple:
             ranks = {"RANK": str(rank), "LOCAL_RANK": str(rank)}
-            return script, list(argv), {**base, **ranks}, str(cwd or folder), folder, rank
+            return script, list(argv), {**base, **ranks}, str(cwd or folder), folder, rank, os.getpid()
         codes = _start_and_join(_main_worker, nproc, args, timeout)
         outputs = [[_read(folder, f"{name}{rank}.txt") for rank in range(nproc)] for name in ("stdout", "stderr")]
     del store

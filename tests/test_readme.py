@@ -13,7 +13,7 @@ README = (REPO / "README.md").read_text()
 DOCS = "\n".join(path.read_text() for path in sorted((REPO / "docs").glob("*.md")))
 SCRIPTS = ["singlenode_cpu", "singlenode_gpu", "mp_spawn", "start_with_torchrun", "bench_ddp", "grad_accumulation",
            "uneven_inputs", "unused_parameters", "sync_batchnorm", "model_parallel", "debug_hang", "zero_optimizer",
-           "fsdp2", "bench_memory"]
+           "fsdp2", "bench_memory", "bench_comm", "comm_intro", "comm_collectives"]
 
 
 def quick_start() -> list[str]:
@@ -102,10 +102,7 @@ def test_every_link_to_a_page_or_section_of_the_docs_leads_somewhere():
                 assert anchor in anchors.get(page, set()), f"{name}: {target} names no section of {page}"
 
 
-LESSONS = [*SCRIPTS, "comm_intro", "comm_collectives", "bench_comm"]
-
-
-@pytest.mark.parametrize("script", LESSONS)
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_each_lesson_names_its_docs_page_in_its_opening_comment_and_the_page_names_it(script):
     docstring = ast.get_docstring(ast.parse((REPO / f"{script}.py").read_text()))
     pages = re.findall(r"docs/\w+\.md", docstring)
