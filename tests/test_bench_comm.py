@@ -5,7 +5,8 @@ import json
 import sys
 
 import pytest
-from launch import REPO, check, torchrun
+from harness import Launch, torchrun_in_process
+from launch import REPO
 
 sys.path.insert(0, str(REPO))  # the scripts live at the repository root
 import bench_comm  # noqa: E402
@@ -50,9 +51,15 @@ def test_sizes_counts_and_size_arguments():
             bench_comm.size_in_bytes(bad)
 
 
+def rank_0(result: Launch) -> str:
+    """Rank 0's stdout (it alone prints the table) of a run in which every rank succeeded."""
+    assert result.codes == [0] * len(result.codes), result.stderr
+    return result.stdouts[0]
+
+
 def test_json_run_at_tiny_sizes_is_consistent():
-    stdout = check(torchrun(3, "bench_comm.py", "--min-bytes", "1K", "--max-bytes", "4K", "--warmup", "1",
-                            "--iters", "2", "--rounds", "2", "--json", timeout=120))
+    stdout = rank_0(torchrun_in_process(3, "bench_comm.py", "--min-bytes", "1K", "--max-bytes", "4K", "--warmup",
+                                        "1", "--iters", "2", "--rounds", "2", "--json", timeout=120))
     report = json.loads(stdout)
     assert report["world_size"] == 3 and report["backend"] == "gloo" and "torch 2." in report["machine"]
     rows = report["rows"]
@@ -71,8 +78,8 @@ def test_json_run_at_tiny_sizes_is_consistent():
 
 
 def test_table_describes_the_machine_and_has_a_row_per_operation():
-    stdout = check(torchrun(1, "bench_comm.py", "--max-bytes", "1K", "--warmup", "0", "--iters", "1", "--rounds", "1",
-                            timeout=60))
+    stdout = rank_0(torchrun_in_process(1, "bench_comm.py", "--max-bytes", "1K", "--warmup", "0", "--iters", "1",
+                                        "--rounds", "1", timeout=60))
     lines = stdout.splitlines()
     assert lines[0].startswith("# bench_comm.py: gloo, 1 ranks, float32")
     assert "cores, torch 2." in lines[1]
