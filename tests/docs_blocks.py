@@ -5,10 +5,11 @@ is either rerun here and compared, or marked as one machine's figures by the lin
 
     Machine-dependent figures (AMD EPYC, 2 cores, torch 2.13.0+cpu; 2026-11-21):
 
-The comparison ignores only what varies by nature: times (a number before s, ms or us), ports,
-temporary paths, and the order of lines from different processes: the block must be one way of
-interleaving each process's lines, in that process's order. A line `...` stands for any number of
-lines, and `...` inside a line for any text.
+The comparison ignores only what varies by nature: measured times (a number with a decimal point
+before s, ms or us), ports, the folders of /tmp paths, and the order of lines from different
+processes: the block must be one way of interleaving each process's lines, in that process's
+order. A line `...` stands for any number of lines, and `...` inside a line for any text. The exit
+status must agree too: a block that shows an `error:` line failed, any other succeeded.
 """
 import functools
 import os
@@ -138,7 +139,8 @@ def _launch_words(words: list[str]) -> tuple[int, list[str]] | None:
     `python -m torch.distributed.launch --use-env --standalone --nproc-per-node N script ...`."""
     for head in (["torchrun"], ["python", "-m", "torch.distributed.launch", "--use-env"]):
         rest = words[len(head):]
-        if words[: len(head)] == head and rest[:2] == ["--standalone", "--nproc-per-node"] and rest[3].endswith(".py"):
+        if words[: len(head)] == head and rest[:2] == ["--standalone", "--nproc-per-node"] and len(rest) > 3 \
+                and rest[3].endswith(".py"):
             return int(rest[2]), rest[3:]
     return None
 
