@@ -4,7 +4,6 @@ what the comparison ignores); one machine's figures say which machine, and when.
 import datetime
 import re
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -58,13 +57,15 @@ def test_the_comparison_fails_on_a_changed_number_and_ignores_what_varies_by_nat
     assert mismatch(("timeout 30 s",), [["timeout 1 s"]]) and mismatch(("in 30000ms",), [["in 1000ms"]])
 
 
-def test_the_comparison_stays_fast_with_many_processes_and_long_outputs():
+def test_the_comparison_keeps_few_states_with_many_processes_and_long_outputs():
     streams = [[f"[rank {r}/8] line {i}" for i in range(9)] for r in range(8)]
     shown = tuple(s[0] for s in streams) + ("...",) + tuple(s[-1] for s in streams[:-1]) + ("[rank 7/8] wrong",)
-    started = time.monotonic()
-    assert mismatch(shown, streams).startswith("[rank 7/8] wrong")
+    # The old search over every combination of positions took minutes and gigabytes here, or
+    # overflowed the C stack on a long skip. This one keeps few states: it reaches the wrong line
+    # itself, not its cap on states (MAX_STATES, whose message says "too many ways").
+    assert mismatch(shown, streams) == "[rank 7/8] wrong   (no process printed this line next; or a line before " \
+                                       "it is missing)"
     assert mismatch(("...", "line 99999"), [[f"line {i}" for i in range(100_000)]]) is None
-    assert time.monotonic() - started < 10  # the old search took minutes and gigabytes, or overflowed the C stack
 
 
 def test_an_exit_status_that_the_block_does_not_show_fails():
