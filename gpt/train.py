@@ -1,0 +1,315 @@
+"""Train a GPT on a token stream with DDP, FSDP2 or HSDP: the job to copy.
+
+    torchrun --standalone --nproc-per-node 2 gpt/train.py --model tiny        # 2 CPU cores, ~1 min
+    torchrun --standalone --nproc-per-node 8 gpt/train.py --model gpt2 --data DIR --seq_len 1024 \\
+        --batch_size 16 --grad_accum 4 --precision bf16 --compile --parallel fsdp
+    python gpt/train.py --model tiny                                          # one process
+
+Steps, not epochs: the batch of step s is drawn from (--seed, s) and split among the ranks, so the
+run is the same at any world size with the same global batch (--batch_size × --grad_accum × ranks),
+and the tests show it. Every --log_every steps rank 0 prints one line and appends it to
+OUT_DIR/metrics.jsonl; every --eval_every steps every rank evaluates its share of a fixed
+validation set. The whole story, and how to run it on 8 GPUs or several nodes: docs/gpt_job.md.
+"""
+import argparse
+import contextlib
+import json
+import math
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import data
+from model import CONFIGS, GPT, GPTConfig, export
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Dense bf16 tensor-core peak per GPU in TFLOP/s (NVIDIA's datasheets); TF32 is half of it.
+PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", choices=CONFIGS, default="tiny", help="the model's size (gpt/model.py CONFIGS)")
+    p.add_argument("--data", default="synthetic", help="synthetic, a text file, or a folder with nanoGPT's "
+                                                       "train.bin and val.bin")
+    p.add_argument("--vocab_size", type=int, help="token ids below this (default: 64 synthetic, 256 text, 50304 DIR)")
+    p.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp"], default="ddp",
+                   help="ddp: a replica per rank; fsdp: every block sharded over all ranks;\n"
+                        "hsdp: sharded within groups of --shard_size ranks, replicated across them")
+    p.add_argument("--shard_size", type=int, help="hsdp: ranks per shard group (default: the ranks of one node)")
+    p.add_argument("--max_steps", type=int, default=300, help="optimizer steps in the whole run")
+    p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per micro-step")
+    p.add_argument("--grad_accum", type=int, default=1, help="micro-steps per optimizer step")
+    p.add_argument("--seq_len", type=int, default=64, help="tokens per sequence")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate, after warmup")
+    p.add_argument("--min_lr", type=float, help="the learning rate at the end of the cosine (default: lr / 10)")
+    p.add_argument("--warmup_steps", type=int, default=20, help="steps of linear warmup from 0 to --lr")
+    p.add_argument("--weight_decay", type=float, default=0.1, help="AdamW's, on matrices only")
+    p.add_argument("--grad_clip", type=float, default=1.0, help="clip the gradient's global norm to this; 0: never")
+    p.add_argument("--precision", choices=DTYPES, default="fp32", help="the compute dtype; weights stay fp32")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument("--seed", type=int, default=0, help="the initial weights and the order of the batches")
+    p.add_argument("--log_every", type=int, default=10, help="steps per log line (1: every step)")
+    p.add_argument("--eval_every", type=int, default=100, help="steps between evaluations (and at the end)")
+    p.add_argument("--val_tokens", type=int, default=32768, help="tokens in the validation set")
+    p.add_argument("--out_dir", default="out", help="where metrics.jsonl goes")
+    p.add_argument("--export", help="write the whole model here at the end, for GPT.load (gpt/model.py)")
+    p.add_argument("--peak_tflops", type=float, help="the GPU's peak, for MFU (default: from its name)")
+    p.add_argument("--timeout", type=float, help="seconds a collective may wait (default: torch's, 10 min on nccl)")
+    args = p.parse_args(argv)
+    for name in ("max_steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_every", "val_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1")
+    if args.parallel != "ddp" and args.precision == "fp16":
+        # GradScaler's inf check sees only this rank's shard of the gradients (no all-reduce in
+        # torch/amp/grad_scaler.py), so sharded ranks could disagree on skipping a step.
+        p.error("--precision fp16 needs --parallel ddp; use bf16 with fsdp or hsdp")
+    return args
+
+
+def setup(args: argparse.Namespace) -> tuple[int, int, int, torch.device]:
+    """(rank, local_rank, world_size, device), with the process group up. Without torchrun, one
+    process in a group of its own, so the same code runs."""
+    rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
+                                    (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
+    timeout = {} if args.timeout is None else {"timeout": timedelta(seconds=args.timeout)}
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)  # local, not global, rank: the GPU on this node
+        torch.cuda.set_device(device)  # before init: NCCL binds each rank to its device
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls in fp32
+        backend, init = "nccl", {"device_id": device}
+    else:
+        device, backend, init = torch.device("cpu"), "gloo", {}
+    if "RANK" not in os.environ:  # plain python: a group of one, with no port to pick
+        init["store"], init["rank"], init["world_size"] = dist.HashStore(), 0, 1
+    dist.init_process_group(backend, **init, **timeout)
+    return rank, local_rank, world_size, device
+
+
+def build(args: argparse.Namespace, config: GPTConfig, world_size: int, device: torch.device) -> torch.nn.Module:
+    """The model, wrapped for --parallel, with the same starting weights in every layout."""
+    if args.parallel == "ddp":
+        model = GPT(config)
+        model.init_weights(args.seed)
+        if args.compile:
+            for block in model.blocks:
+                block.compile()
+        model.to(device)
+        # DDP broadcasts rank 0's weights at construction; every rank built the same ones anyway.
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if args.parallel == "fsdp":
+        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+    else:
+        shard = args.shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        if world_size % shard:
+            raise ValueError(f"--shard_size {shard} does not divide the {world_size} ranks")
+        mesh = init_device_mesh(device.type, (world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+    with torch.device("meta"):  # no memory: each rank will only ever hold its shard
+        model = GPT(config)
+    dtype = DTYPES[args.precision]
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)  # weights, grads in fp32
+    for block in model.blocks:
+        if args.compile:
+            block.compile()
+        fully_shard(block, mesh=mesh, mp_policy=policy)  # one all-gather per block, freed after use
+    fully_shard(model, mesh=mesh, mp_policy=policy)  # the rest: embeddings, final norm, tied head
+    model.to_empty(device=device)
+    generator = torch.Generator().manual_seed(args.seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # each full value drawn as GPT.init_weights does
+            full = model.init_value(name, param.shape, generator).to(device)
+            param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements,
+                                                     src_data_rank=None).to_local())  # keep this rank's shard
+    return model
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    """Linear warmup to --lr over --warmup_steps, then a cosine down to --min_lr at --max_steps."""
+    min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
+    return min_lr + 0.5 * (args.lr - min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def make_optimizer(model: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> torch.optim.Optimizer:
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},  # matrices
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # biases, norms
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+
+def gradient_sync(model: torch.nn.Module, sync: bool):
+    """Reduce gradients in this backward or not: off for every micro-step of an accumulation but
+    the last, so that the ranks communicate once per optimizer step."""
+    if isinstance(model, DDP):
+        return contextlib.nullcontext() if sync else model.no_sync()
+    model.set_requires_gradient_sync(sync)  # FSDP2's no_sync; for HSDP both reduce-scatter and all-reduce
+    return contextlib.nullcontext()
+
+
+def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """The gradient's global norm (on the device), after clipping it to max_norm (0: no clipping)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm  # sharded: the sum of every shard's
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, tokens: data.Tokens, starts, args: argparse.Namespace, rank: int,
+             world_size: int, device: torch.device, autocast) -> float:
+    """The mean loss per token over the whole validation set, each window counted once.
+
+    Rank r takes windows r, r + N, ...; each rank sums its token losses in float64, and one
+    all-reduce adds the sums and the counts. Every rank runs the same number of forwards, one with
+    nothing to count where its share runs out first: under FSDP each forward all-gathers weights."""
+    model.eval()
+    mine = starts[rank::world_size]
+    batches = -(-len(starts[0::world_size]) // args.batch_size)  # rank 0 has the most windows
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of losses, tokens)
+    for i in range(batches):
+        chunk = mine[i * args.batch_size:(i + 1) * args.batch_size]
+        x, y = data.windows(tokens.val, chunk if len(chunk) else starts[:1], args.seq_len, tokens.vocab_size, device)
+        with autocast:
+            logits = model(x)
+        losses = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
+        if len(chunk):
+            totals[0] += losses.double().sum()
+            totals[1] += losses.numel()
+    dist.all_reduce(totals)  # every rank's sums: the mean over the whole set
+    model.train()
+    return (totals[0] / totals[1]).item()
+
+
+def peak_flops(args: argparse.Namespace, device: torch.device) -> float | None:
+    """Peak FLOP/s of one GPU for MFU: --peak_tflops, else from the device's name, else unknown."""
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    bf16 = next((tflops for key, tflops in PEAK_BF16_TFLOPS.items() if key in name), None)
+    if bf16 is None:
+        return None
+    return bf16 * 1e12 / (2 if args.precision == "fp32" else 1)
+
+
+def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> torch.nn.Module:
+    tokens = data.load(args.data, args.vocab_size)
+    data.check(tokens, args.seq_len)
+    config = GPTConfig(vocab_size=tokens.vocab_size, seq_len=args.seq_len, **CONFIGS[args.model])
+    model = build(args, config, world_size, device)
+    gpt = model.module if isinstance(model, DDP) else model  # .module: DDP's wrapped model
+    optimizer = make_optimizer(model, args, device)
+    dtype = DTYPES[args.precision]
+    # DDP computes in `dtype` under autocast; FSDP casts its weights through the policy instead.
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=args.parallel == "ddp" and dtype != torch.float32)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")  # fp16's range needs scaling
+    global_batch = args.batch_size * args.grad_accum * world_size
+    val_starts = data.val_starts(len(tokens.val), args.seq_len, args.val_tokens)
+    peak = peak_flops(args, device)
+    metrics = None
+    if rank == 0:
+        os.makedirs(args.out_dir, exist_ok=True)
+        metrics = open(os.path.join(args.out_dir, "metrics.jsonl"), "w", buffering=1)  # noqa: SIM115
+        print(f"gpt {args.model} ({gpt.num_params() / 1e6:.2f}M parameters) | {args.parallel} on {world_size} "
+              f"ranks, {device.type} | data {tokens.name} (vocab {tokens.vocab_size}) | "
+              f"global batch {global_batch} × {args.seq_len} tokens", flush=True)
+
+    def log(record: dict, line: str) -> None:
+        if rank == 0:  # after every rank's collective: never a collective inside this guard
+            print(line, flush=True)
+            metrics.write(json.dumps(record) + "\n")
+
+    loss_sum = torch.zeros((), device=device)  # on the device until a log line: no host sync per step
+    steps_since_log, started = 0, time.perf_counter()
+    try:
+        for step in range(args.max_steps):
+            lr = lr_at(step, args)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            starts = data.batch_starts(step, args.seed, len(tokens.train), args.seq_len, global_batch)
+            mine = starts[rank * args.batch_size * args.grad_accum:][:args.batch_size * args.grad_accum]
+            for micro in range(args.grad_accum):
+                x, y = data.windows(tokens.train, mine[micro * args.batch_size:][:args.batch_size], args.seq_len,
+                                    tokens.vocab_size, device)
+                with gradient_sync(model, micro == args.grad_accum - 1), autocast:
+                    logits = model(x)  # (batch, seq, vocab)
+                    # / grad_accum: the gradient of the mean over the micro-steps; the ranks' mean is DDP's
+                    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / args.grad_accum
+                scaler.scale(loss).backward()
+                loss_sum += loss.detach()
+            scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
+            grad_norm = clip_gradients(model, args.grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            steps_since_log += 1
+            done = step + 1 == args.max_steps
+            if (step + 1) % args.log_every == 0 or done:
+                dist.all_reduce(loss_sum)  # every rank's sequences (gloo has no AVG: sum, then divide)
+                loss = loss_sum.item() / (world_size * steps_since_log)  # the one host sync of the interval
+                elapsed = time.perf_counter() - started
+                tokens_per_s = steps_since_log * global_batch * args.seq_len / elapsed
+                record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
+                          "tokens_per_s": tokens_per_s}
+                line = (f"step {step + 1} | loss {loss:.4f} | lr {lr:.2e} | grad_norm {grad_norm.item():.3f} | "
+                        f"{tokens_per_s:,.0f} tok/s")
+                if peak:
+                    record["mfu"] = tokens_per_s * gpt.flops_per_token() / (world_size * peak)
+                    line += f" | mfu {record['mfu']:.1%}"
+                log(record, line)
+                loss_sum.zero_()
+                steps_since_log = 0
+            if (step + 1) % args.eval_every == 0 or done:
+                eval_started = time.perf_counter()
+                val_loss = evaluate(model, tokens, val_starts, args, rank, world_size, device, autocast)
+                record, line = {"step": step + 1, "val_loss": val_loss}, f"step {step + 1} | val_loss {val_loss:.4f}"
+                if tokens.floor is not None:
+                    record["floor"] = tokens.floor
+                    line += f" | floor {tokens.floor:.4f} ({val_loss / tokens.floor:.3f} × floor)"
+                log(record, line)
+                started += time.perf_counter() - eval_started  # evaluation is not training time
+            if steps_since_log == 0:
+                started = time.perf_counter()
+    finally:
+        if metrics:
+            metrics.close()
+    return model
+
+
+def export_model(model: torch.nn.Module, path: str, rank: int) -> None:
+    """The whole model as a plain state_dict on rank 0. Under FSDP every rank must take part: the
+    full tensors are gathered from every shard."""
+    if isinstance(model, DDP):
+        state = model.module.state_dict()
+    else:
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:  # one writer
+        export(path, (model.module if isinstance(model, DDP) else model).config,
+               {k: v.cpu() for k, v in state.items()})
+
+
+def main() -> None:
+    args = parse_args()
+    rank, _, world_size, device = setup(args)
+    try:
+        model = train(args, rank, world_size, device)
+        if args.export:
+            export_model(model, args.export, rank)
+            if rank == 0:
+                print(f"exported to {args.export}", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
