@@ -79,7 +79,8 @@ def load(spec: str, vocab_size: int | None = None) -> Tokens:
 
 def _memmap(path: str, dtype: type) -> np.ndarray:
     if not os.path.isfile(path):
-        raise ValueError(f"--data {path}: no such file (give `synthetic`, a text file, or a folder with train.bin and val.bin)")
+        raise ValueError(f"--data {path}: no such file (give synthetic, a text file, or a folder with "
+                         "train.bin and val.bin)")
     if os.path.getsize(path) == 0:
         raise ValueError(f"--data {path}: the file is empty")
     return np.memmap(path, dtype=dtype, mode="r")

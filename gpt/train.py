@@ -16,6 +16,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import time
 from datetime import timedelta
 
@@ -69,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("max_steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_every", "val_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
+    if args.shard_size is not None and (args.parallel != "hsdp" or args.shard_size < 1):
+        p.error("--shard_size is for --parallel hsdp, and must be at least 1")
     if args.parallel != "ddp" and args.precision == "fp16":
         # GradScaler's inf check sees only this rank's shard of the gradients (no all-reduce in
         # torch/amp/grad_scaler.py), so sharded ranks could disagree on skipping a step.
@@ -221,7 +224,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
         os.makedirs(args.out_dir, exist_ok=True)
         metrics = open(os.path.join(args.out_dir, "metrics.jsonl"), "w", buffering=1)  # noqa: SIM115
         print(f"gpt {args.model} ({gpt.num_params() / 1e6:.2f}M parameters) | {args.parallel} on {world_size} "
-              f"ranks, {device.type} | data {tokens.name} (vocab {tokens.vocab_size}) | "
+              f"rank{'s' if world_size > 1 else ''}, {device.type} | data {tokens.name} (vocab {tokens.vocab_size}) | "
               f"global batch {global_batch} × {args.seq_len} tokens", flush=True)
 
     def log(record: dict, line: str) -> None:
@@ -298,15 +301,25 @@ def export_model(model: torch.nn.Module, path: str, rank: int) -> None:
                {k: v.cpu() for k, v in state.items()})
 
 
+def train_and_export(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> None:
+    """The model is a local here, freed on return: a DDP wrapper still alive at destroy_process_group()
+    keeps gloo's threads running (docs/pitfalls.md)."""
+    model = train(args, rank, world_size, device)
+    if args.export:
+        export_model(model, args.export, rank)
+        if rank == 0:
+            print(f"exported to {args.export}", flush=True)
+
+
 def main() -> None:
     args = parse_args()
     rank, _, world_size, device = setup(args)
     try:
-        model = train(args, rank, world_size, device)
-        if args.export:
-            export_model(model, args.export, rank)
-            if rank == 0:
-                print(f"exported to {args.export}", flush=True)
+        train_and_export(args, rank, world_size, device)
+    except ValueError as error:  # bad input, found alike on every rank before any step: one line
+        if rank == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
     finally:
         dist.destroy_process_group()
 

@@ -151,7 +151,12 @@ def _main_worker(script: str, argv: list[str], env: dict[str, str], cwd: str, fo
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     os.environ.update(env)
     torch.set_num_threads(1)  # as torchrun's OMP_NUM_THREADS=1, which this process read too late
-    module = importlib.import_module(script.removesuffix(".py"))
+    folder, name = os.path.split(script.removesuffix(".py"))
+    if folder:  # gpt/train.py: as python runs it, its folder first on sys.path, and the root's
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / folder))
+        for sibling in Path(sys.path[0]).glob("*.py"):  # model.py and data.py, which the server
+            sys.modules.pop(sibling.stem, None)  # preloaded with common, forgotten for the folder's own
+    module = importlib.import_module(name)
     common.PARENT_AT_START = os.getppid()  # this worker's launcher: the forkserver
     os.chdir(cwd)
     sys.argv = [script, *argv]

@@ -1,0 +1,58 @@
+"""The loss curves of several runs over each other, in one PNG: 1 rank against N, or two layouts.
+
+    python gpt/plot.py out_1rank out_4ranks --out loss.png
+
+Each OUT_DIR is a run's --out_dir: its metrics.jsonl gives the training loss (a line) and the
+validation loss (dots); the floor, where the data has one, is a dotted line. Needs matplotlib
+(requirements-plot.txt), which training does not.
+"""
+import argparse
+import json
+import os
+
+
+def read_metrics(out_dir: str) -> list[dict]:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as file:
+        return [json.loads(line) for line in file if line.strip()]
+
+
+def plot(out_dirs: list[str], path: str):
+    """Draw every run's curves on one set of axes and save them to `path`; return the figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 5))
+    floors = set()
+    for out_dir in out_dirs:
+        records = read_metrics(out_dir)
+        train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+        val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+        floors.update(r["floor"] for r in records if "floor" in r)
+        (line,) = axes.plot(*zip(*train, strict=True), label=f"{out_dir} train", linewidth=1)
+        if val:
+            axes.plot(*zip(*val, strict=True), "o--", color=line.get_color(), label=f"{out_dir} val")
+    for floor in sorted(floors):
+        axes.axhline(floor, color="black", linestyle=":", label=f"floor {floor:.4f}")
+    axes.set_xlabel("step")
+    axes.set_ylabel("loss (nats per token)")
+    axes.legend()
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    return figure
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dirs", nargs="+", help="runs' --out_dir folders, each with a metrics.jsonl")
+    parser.add_argument("--out", default="loss.png", help="the PNG to write")
+    args = parser.parse_args()
+    for out_dir in args.out_dirs:
+        if not os.path.isfile(os.path.join(out_dir, "metrics.jsonl")):
+            parser.error(f"{out_dir}: no metrics.jsonl (give the --out_dir of a run)")
+    plot(args.out_dirs, args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""gpt/train.py: N ranks train what one process trains, in every layout; the documented run reaches
+the floor; text files and nanoGPT folders load; metrics.jsonl holds what the lines print.
+
+The runs go through tests/harness.torchrun_in_process: each rank's main() in a forked worker with
+torchrun's variables, the same code path as `torchrun --standalone --nproc-per-node N gpt/train.py`.
+"""
+import functools
+import json
+import math
+import re
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from docs_blocks import rerun, succeeded
+from harness import torchrun_in_process
+from launch import REPO, run
+
+sys.path.insert(0, str(REPO))  # gpt.model and gpt.data, which import nothing of the project
+from gpt.data import load  # noqa: E402
+from gpt.model import GPT  # noqa: E402
+
+TRAIN = "gpt/train.py"
+# 8 steps of a global batch of 12 sequences of 32 tokens, logged every step; warmup and cosine in reach.
+ARGV = ["--max_steps", "8", "--seq_len", "32", "--warmup_steps", "3", "--log_every", "1", "--eval_every", "4",
+        "--val_tokens", "2048", "--lr", "3e-3"]
+# (ranks, --batch_size, --grad_accum): the same 12 sequences per step, split three ways and one more.
+SPLITS = [(1, 2, 6), (2, 2, 3), (3, 2, 2)]
+HSDP_SPLIT = (4, 1, 3)
+# fp32, yet not bitwise: a sum over 12 sequences is added in another order when they are split over
+# other ranks and micro-steps (the all-reduce adds per-rank sums; accumulation adds micro-step sums).
+# Measured after 8 AdamW steps at lr 3e-3: up to 1.2e-7 relative in the loss, 1.1e-5 in a weight
+# (Adam divides by the root of the squared gradient, which magnifies tiny differences); a run
+# without the gradient reduction is off by 2e-2 in both.
+LOSS_RTOL, WEIGHT_ATOL = 1e-5, 5e-5
+FOLDERS = tempfile.TemporaryDirectory()  # each run's out_dir and export, removed with the session
+
+
+@functools.cache
+def train(nproc: int, *argv: str) -> tuple[list[dict], dict[str, torch.Tensor], str]:
+    """(metrics.jsonl's records, the exported weights, rank 0's stdout) of one run, in a fresh folder."""
+    return train_script(TRAIN, nproc, *argv)
+
+
+@functools.cache
+def train_script(script: str, nproc: int, *argv: str) -> tuple[list[dict], dict[str, torch.Tensor], str]:
+    folder = Path(tempfile.mkdtemp(dir=FOLDERS.name))
+    result = torchrun_in_process(nproc, script, *argv, "--out_dir", "out", "--export", "model.pt", cwd=folder,
+                                 timeout=120)
+    assert result.codes == [0] * nproc, f"{result.codes}\n{result.stdout}\n{result.stderr}"
+    records = [json.loads(line) for line in (folder / "out" / "metrics.jsonl").read_text().splitlines()]
+    return records, GPT.load(str(folder / "model.pt")).state_dict(), result.stdouts[0]
+
+
+def run_split(parallel: str, nproc: int, batch_size: int, grad_accum: int, *extra: str):
+    return train(nproc, *ARGV, "--parallel", parallel, "--batch_size", str(batch_size),
+                 "--grad_accum", str(grad_accum), *extra)
+
+
+def assert_same_training(reference, other, what: str) -> None:
+    ref_records, ref_weights, _ = reference
+    records, weights, _ = other
+    losses = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    ref_losses = [(r["step"], r["loss"]) for r in ref_records if "loss" in r]
+    assert [s for s, _ in losses] == [s for s, _ in ref_losses] == list(range(1, 9)), what
+    np.testing.assert_allclose([v for _, v in losses], [v for _, v in ref_losses], rtol=LOSS_RTOL, err_msg=what)
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    np.testing.assert_allclose(val, [r["val_loss"] for r in ref_records if "val_loss" in r], rtol=LOSS_RTOL)
+    assert weights.keys() == ref_weights.keys()
+    for name in weights:
+        torch.testing.assert_close(weights[name], ref_weights[name], rtol=0, atol=WEIGHT_ATOL, msg=f"{what}: {name}")
+
+
+def one_process():
+    return run_split("ddp", *SPLITS[0])
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("split", SPLITS[1:], ids=lambda s: f"{s[0]}ranks")
+def test_n_ranks_train_what_one_process_trains(parallel, split):
+    reference = one_process()
+    losses = [r["loss"] for r in reference[0] if "loss" in r]
+    assert losses[-1] < losses[0] - 0.1  # it learned something
+    assert_same_training(reference, run_split(parallel, *split), f"{parallel} at {split[0]} ranks")
+
+
+def test_fsdp_at_one_rank_trains_what_ddp_does():
+    assert_same_training(one_process(), run_split("fsdp", *SPLITS[0]), "fsdp at 1 rank")
+
+
+def test_hsdp_on_a_2_by_2_mesh_trains_what_one_process_trains():
+    records, weights, stdout = run_split("hsdp", *HSDP_SPLIT, "--shard_size", "2")
+    assert "hsdp on 4 ranks" in stdout
+    assert_same_training(one_process(), (records, weights, stdout), "hsdp 2 × 2")
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_the_proof_fails_without_the_gradient_reduction(parallel):
+    """tests/gpt_no_sync.py is gpt/train.py with every backward's gradient sync switched off: each
+    rank steps on its own sequences only, and the comparison with one process must fail."""
+    broken = train_script("gpt_no_sync.py", 2, *ARGV, "--parallel", parallel, "--batch_size", "2", "--grad_accum", "3")
+    with pytest.raises(AssertionError):
+        assert_same_training(one_process(), broken, f"{parallel} without gradient sync")
+
+
+# ---------------------------------------------------------------------------------------------
+# The documented run, its metrics, and the other data sources
+
+DOCUMENTED = "torchrun --standalone --nproc-per-node 2 gpt/train.py --model tiny"  # docs/gpt_job.md
+VAL_LINE = re.compile(r"^step (\d+) \| val_loss ([\d.]+)(?: \| floor ([\d.]+))?", re.MULTILINE)
+LOG_LINE = re.compile(r"^step (\d+) \| loss ([\d.]+) \| lr ([\d.e+-]+) \| grad_norm ([\d.]+) \| ([\d,]+) tok/s$",
+                      re.MULTILINE)
+
+
+def import_gpt_train():
+    """gpt/train.py as a module of this process. It imports its siblings as `model` and `data`,
+    names that the root's lessons hold here: they are swapped out for the import, then back."""
+    root = {name: sys.modules.pop(name) for name in ("model", "data") if name in sys.modules}
+    sys.path.insert(0, str(REPO / "gpt"))
+    try:
+        import train as gpt_train
+    finally:
+        sys.path.remove(str(REPO / "gpt"))
+        for name in ("model", "data"):
+            sys.modules.pop(name, None)
+        sys.modules.update(root)
+    return gpt_train
+
+
+def test_the_documented_run_reaches_the_floor_and_metrics_hold_what_the_lines_print():
+    stdout = succeeded(DOCUMENTED)
+    step, val_loss, floor = VAL_LINE.findall(stdout)[-1]
+    assert int(step) == 300 and float(val_loss) <= 1.10 * float(floor)
+    (output,) = rerun(DOCUMENTED)
+    records = [json.loads(line) for line in (output.cwd / "out" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in records if "loss" in r]
+    assert [r["step"] for r in logged] == list(range(10, 301, 10))
+    lines = LOG_LINE.findall(stdout)
+    assert len(lines) == len(logged)
+    for (step, loss, lr, grad_norm, tokens_per_s), record in zip(lines, logged, strict=True):
+        assert int(step) == record["step"] and set(record) == {"step", "loss", "lr", "grad_norm", "tokens_per_s"}
+        assert loss == f"{record['loss']:.4f}" and lr == f"{record['lr']:.2e}"
+        assert grad_norm == f"{record['grad_norm']:.3f}" and tokens_per_s == f"{record['tokens_per_s']:,.0f}"
+    evals = [r for r in records if "val_loss" in r]
+    assert [(str(r["step"]), f"{r['val_loss']:.4f}", f"{r['floor']:.4f}") for r in evals] == VAL_LINE.findall(stdout)
+
+
+def test_the_learning_rate_follows_warmup_then_cosine():
+    """The logged LR of every step against the schedule written out here: linear warmup from 0 to
+    --lr over --warmup_steps, then a cosine down to --min_lr at --max_steps."""
+    records, _, _ = train(1, "--max_steps", "30", "--warmup_steps", "5", "--lr", "1e-3", "--min_lr", "1e-4",
+                          "--log_every", "1", "--eval_every", "30", "--seq_len", "16", "--val_tokens", "64")
+    lrs = [r["lr"] for r in records if "lr" in r]
+    expected = [1e-3 * (s + 1) / 5 if s < 5 else 1e-4 + 0.5 * 9e-4 * (1 + math.cos(math.pi * (s - 5) / 25))
+                for s in range(30)]
+    np.testing.assert_allclose(lrs, expected, rtol=1e-12)
+    assert lrs[4] == 1e-3 and lrs.index(max(lrs)) == 4
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> Path:
+    """The README and docs as one text file: about 170 KB of English and code."""
+    path = tmp_path_factory.mktemp("text") / "docs.txt"
+    path.write_bytes(b"".join(p.read_bytes() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]))
+    return path
+
+
+def test_a_text_file_trains_well_below_the_uniform_loss(text_file):
+    records, _, stdout = train(2, "--data", str(text_file))
+    assert "data " + str(text_file) + " (vocab 256)" in stdout
+    val_loss = [r["val_loss"] for r in records if "val_loss" in r][-1]
+    assert val_loss < 0.6 * math.log(256), val_loss  # uniform over bytes: ln 256 = 5.55
+
+
+def test_a_nanogpt_folder_trains_exactly_as_the_same_tokens_from_a_text_file(text_file, tmp_path):
+    """train.bin and val.bin of uint16 ids, as nanoGPT's prepare.py writes them, holding the text
+    file's bytes split where train.py splits a text file: the same tokens, so the same run."""
+    tokens = np.frombuffer(text_file.read_bytes(), dtype=np.uint8)
+    cut = len(tokens) * 9 // 10
+    tokens[:cut].astype(np.uint16).tofile(tmp_path / "train.bin")
+    tokens[cut:].astype(np.uint16).tofile(tmp_path / "val.bin")
+    loaded = load(str(tmp_path), 256)
+    assert loaded.train.dtype == np.uint16 and np.array_equal(loaded.train, tokens[:cut])
+    assert load(str(tmp_path)).vocab_size == 50304  # GPT-2's, padded, unless told
+    argv = ("--max_steps", "20", "--log_every", "5", "--eval_every", "10")
+    folder, text = train(1, "--data", str(tmp_path), "--vocab_size", "256", *argv), train(1, "--data", str(text_file),
+                                                                                        *argv)
+    assert [r.get("loss", r.get("val_loss")) for r in folder[0]] == [r.get("loss", r.get("val_loss")) for r in text[0]]
+
+
+def test_every_documented_gpt_command_passes_options_train_py_accepts():
+    gpt_train = import_gpt_train()
+    sbatch = (REPO / "gpt" / "train.sbatch").read_text().replace("\\\n", " ").replace('"out-$SLURM_JOB_ID"', "out")
+    docs = (REPO / "docs" / "gpt_job.md").read_text() + (REPO / "README.md").read_text() + sbatch
+    lines = re.findall(r"(?:torchrun|python) [^`\n]*gpt/train\.py[^`\n]*", docs)
+    commands = [line.split("gpt/train.py", 1)[1] for line in lines]
+    assert len(commands) >= 6
+    for command in commands:
+        gpt_train.parse_args(shlex.split(command.split("  #")[0]))  # argparse exits 2 on a bad option
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["--parallel", "fsdp", "--precision", "fp16"], "--precision fp16 needs --parallel ddp"),
+    (["--data", "no/such/file.txt"], "error: --data no/such/file.txt: no such file"),
+    (["--seq_len", "200000"], "error: --data synthetic: the val split holds 32768 tokens, fewer than --seq_len"),
+    (["--data", "{text}", "--vocab_size", "100"], "but the vocab holds 100: set --vocab_size"),
+])
+def test_bad_input_gets_one_line_and_a_non_zero_exit(argv, error, text_file):
+    result = torchrun_in_process(1, TRAIN, *(a.format(text=text_file) for a in argv), "--max_steps", "1",
+                                 timeout=60)
+    assert result.codes[0] != 0 and error in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_bf16_trains_as_fp32_does_to_within_its_precision(parallel):
+    """bf16 (autocast under DDP, FSDP2's MixedPrecisionPolicy under FSDP) keeps 8 bits of mantissa:
+    the losses follow fp32's to about 1%."""
+    reference, _, _ = one_process()
+    records, _, _ = run_split(parallel, 2, 2, 3, "--precision", "bf16")
+    np.testing.assert_allclose([r["loss"] for r in records if "loss" in r],
+                               [r["loss"] for r in reference if "loss" in r], rtol=2e-2)
+
+
+def test_plot_draws_each_runs_losses(tmp_path):
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(REPO / "gpt"))
+    try:
+        from plot import plot
+    finally:
+        sys.path.remove(str(REPO / "gpt"))
+    runs = []
+    for name, scale in (("one", 1.0), ("two", 2.0)):
+        (tmp_path / name).mkdir()
+        records = [{"step": s, "loss": scale / s} for s in (1, 2, 3)] + [{"step": 3, "val_loss": scale, "floor": 0.5}]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        runs.append(str(tmp_path / name))
+    figure = plot(runs, str(tmp_path / "loss.png"))
+    lines = {line.get_label(): [float(y) for y in line.get_ydata()] for line in figure.axes[0].get_lines()}
+    assert lines[f"{runs[0]} train"] == [1.0, 0.5, 1 / 3] and lines[f"{runs[1]} val"] == [2.0]
+    assert lines["floor 0.5000"] == [0.5, 0.5]
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_on_a_gpu_each_precision_reaches_the_floor(precision, tmp_path):
+    result = run([sys.executable, str(REPO / TRAIN), "--precision", precision, "--out_dir", str(tmp_path)],
+                 timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "cuda" in result.stdout
+    step, val_loss, floor = VAL_LINE.findall(result.stdout)[-1]
+    assert float(val_loss) <= 1.10 * float(floor)
+
+
+def test_the_slurm_script_is_valid_bash():
+    assert run(["bash", "-n", str(REPO / "gpt" / "train.sbatch")]).returncode == 0
+
+
+def test_bench_prints_each_world_size_and_an_efficiency_recomputable_from_its_figures():
+    result = run([sys.executable, str(REPO / "gpt" / "bench.py"), "--world_sizes", "1", "2", "--repeats", "1", "--",
+                  "--max_steps", "12", "--log_every", "4"], timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if re.match(r"\s+\d+\s+\d+\s+[\d,]+", line)]
+    assert [row[0] for row in rows] == ["1", "2"]
+    one, two = (float(row[2].replace(",", "")) for row in rows)
+    assert rows[0][-1] == "100%" and rows[1][-1] == f"{two / (2 * one):.0%}"
+    assert "train.py --max_steps 60 --log_every 10 --eval_every 1000000 --val_tokens 64 --max_steps 12" in result.stdout
