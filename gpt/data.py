@@ -10,7 +10,7 @@ Three sources, each a pair of 1-D arrays of token ids (train, val):
 
 The batch of step s is drawn from (seed, s) alone: the whole global batch is drawn, then split
 among ranks and micro-steps. So what is trained does not depend on the world size or on
---grad_accum (only on their product with --batch_size), and a resume needs only the step.
+--grad_accum (only on their product with --batch_size), and a resume will need only the step.
 """
 import bisect
 import os
@@ -24,6 +24,10 @@ SYNTHETIC_CONCENTRATION = 0.1  # Dirichlet parameter of each row: smaller is mor
 SYNTHETIC_SEED = 1234  # fixed: the task is the same whatever --seed the run uses
 SYNTHETIC_TOKENS = (1 << 19, 1 << 15)  # train, val
 GPT2_VOCAB = 50304  # GPT-2's 50257, rounded up to a multiple of 64 as nanoGPT does: faster matmuls
+
+
+class BadToken(ValueError):
+    """A token id outside the vocab, found by the one rank whose batch holds it."""
 
 
 @dataclass
@@ -111,7 +115,7 @@ def windows(array: np.ndarray, starts: np.ndarray, seq_len: int, vocab_size: int
     """(inputs, targets), each (len(starts), seq_len) int64: targets are the inputs shifted by one."""
     rows = np.stack([np.asarray(array[s:s + seq_len + 1], dtype=np.int64) for s in starts])
     if rows.max() >= vocab_size:  # on the host, before the device: an embedding index error is cryptic
-        raise ValueError(f"token id {rows.max()} in the data, but the vocab holds {vocab_size}: set --vocab_size")
+        raise BadToken(f"token id {rows.max()} in the data, but the vocab holds {vocab_size}: set --vocab_size")
     batch = torch.from_numpy(rows)
     if device.type == "cuda":
         batch = batch.pin_memory().to(device, non_blocking=True)  # the copy overlaps the step in flight

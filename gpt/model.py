@@ -2,9 +2,9 @@
 a GELU MLP, and an output layer tied to the token embedding. No dropout by default.
 
 Only torch: this file loads an exported model (`GPT.load`) with no torch.distributed, and the
-parallelism lessons import it. Each block is its own module in `blocks`, and each projection its
-own Linear (q, k, v, o; fc, proj), so that tensor parallel can split them column- or row-wise
-and pipeline parallel can cut the list of blocks.
+parallelism lessons to come (tensor, pipeline, context, expert) are to import it. Each block is
+its own module in `blocks`, and each projection its own Linear (q, k, v, o; fc, proj), so that
+tensor parallel can split them column- or row-wise and pipeline parallel can cut the list.
 """
 import math
 import os

@@ -47,6 +47,10 @@ def main() -> None:
     parser.add_argument("out_dirs", nargs="+", help="runs' --out_dir folders, each with a metrics.jsonl")
     parser.add_argument("--out", default="loss.png", help="the PNG to write")
     args = parser.parse_args()
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        parser.error("plot.py needs matplotlib: pip install -r requirements-plot.txt")
     for out_dir in args.out_dirs:
         if not os.path.isfile(os.path.join(out_dir, "metrics.jsonl")):
             parser.error(f"{out_dir}: no metrics.jsonl (give the --out_dir of a run)")

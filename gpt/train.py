@@ -1,9 +1,9 @@
 """Train a GPT on a token stream with DDP, FSDP2 or HSDP: the job to copy.
 
-    torchrun --standalone --nproc-per-node 2 gpt/train.py --model tiny        # 2 CPU cores, ~1 min
+    torchrun --standalone --nproc-per-node 2 gpt/train.py --model tiny        # 2 CPU cores, ~10 s
     torchrun --standalone --nproc-per-node 8 gpt/train.py --model gpt2 --data DIR --seq_len 1024 \\
         --batch_size 16 --grad_accum 4 --precision bf16 --compile --parallel fsdp
-    python gpt/train.py --model tiny                                          # one process
+    python gpt/train.py --model tiny --grad_accum 2                           # the same, one process
 
 Steps, not epochs: the batch of step s is drawn from (--seed, s) and split among the ranks, so the
 run is the same at any world size with the same global batch (--batch_size × --grad_accum × ranks),
@@ -34,7 +34,7 @@ from model import CONFIGS, GPT, GPTConfig, export
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Dense bf16 tensor-core peak per GPU in TFLOP/s (NVIDIA's datasheets); TF32 is half of it.
-PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
+PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("max_steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_every", "val_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
+    if args.vocab_size is not None and args.data == "synthetic":
+        p.error(f"--vocab_size is for files; the synthetic data has {data.SYNTHETIC_VOCAB} tokens")
     if args.shard_size is not None and (args.parallel != "hsdp" or args.shard_size < 1):
         p.error("--shard_size is for --parallel hsdp, and must be at least 1")
     if args.parallel != "ddp" and args.precision == "fp16":
@@ -151,12 +153,15 @@ def make_optimizer(model: torch.nn.Module, args: argparse.Namespace, device: tor
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
 
-def gradient_sync(model: torch.nn.Module, sync: bool):
-    """Reduce gradients in this backward or not: off for every micro-step of an accumulation but
-    the last, so that the ranks communicate once per optimizer step."""
+def gradient_sync(model: torch.nn.Module, last_micro_step: bool):
+    """What this backward communicates. DDP: no all-reduce until the last micro-step of an
+    accumulation (no_sync), so once per optimizer step. FSDP: a reduce-scatter at every micro-step,
+    so that each rank keeps only its shard of the gradients (without it, every rank would hold
+    whole gradients until the last micro-step: the memory FSDP is there to save). HSDP: the same,
+    and the all-reduce across replica groups only at the last micro-step."""
     if isinstance(model, DDP):
-        return contextlib.nullcontext() if sync else model.no_sync()
-    model.set_requires_gradient_sync(sync)  # FSDP2's no_sync; for HSDP both reduce-scatter and all-reduce
+        return contextlib.nullcontext() if last_micro_step else model.no_sync()
+    model.set_requires_all_reduce(last_micro_step)  # only HSDP's mesh has a replicate dimension to reduce over
     return contextlib.nullcontext()
 
 
@@ -223,9 +228,14 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     if rank == 0:
         os.makedirs(args.out_dir, exist_ok=True)
         metrics = open(os.path.join(args.out_dir, "metrics.jsonl"), "w", buffering=1)  # noqa: SIM115
+        mesh = " × ".join(map(str, model.blocks[0].attn.q.weight.device_mesh.shape)) if args.parallel == "hsdp" else ""
         print(f"gpt {args.model} ({gpt.num_params() / 1e6:.2f}M parameters) | {args.parallel} on {world_size} "
-              f"rank{'s' if world_size > 1 else ''}, {device.type} | data {tokens.name} (vocab {tokens.vocab_size}) | "
-              f"global batch {global_batch} × {args.seq_len} tokens", flush=True)
+              f"rank{'s' if world_size > 1 else ''}{f' ({mesh} mesh)' if mesh else ''}, {device.type} | "
+              f"data {tokens.name} (vocab {tokens.vocab_size}) | global batch {global_batch} × {args.seq_len} tokens",
+              flush=True)
+        if device.type == "cuda" and peak is None:
+            print(f"no mfu: the peak of {torch.cuda.get_device_name(device)} is not known; give --peak_tflops",
+                  flush=True)
 
     def log(record: dict, line: str) -> None:
         if rank == 0:  # after every rank's collective: never a collective inside this guard
@@ -316,8 +326,10 @@ def main() -> None:
     rank, _, world_size, device = setup(args)
     try:
         train_and_export(args, rank, world_size, device)
-    except ValueError as error:  # bad input, found alike on every rank before any step: one line
-        if rank == 0:
+    except ValueError as error:  # bad input: one line, no traceback
+        # Bad options and files are found alike by every rank before any step: rank 0 says so. A
+        # bad token is found by the rank whose batch holds it; torchrun then stops the others.
+        if rank == 0 or isinstance(error, data.BadToken):
             print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(1)
     finally:
