@@ -26,10 +26,6 @@ SYNTHETIC_TOKENS = (1 << 19, 1 << 15)  # train, val
 GPT2_VOCAB = 50304  # GPT-2's 50257, rounded up to a multiple of 64 as nanoGPT does: faster matmuls
 
 
-class BadToken(ValueError):
-    """A token id outside the vocab, found by the one rank whose batch holds it."""
-
-
 @dataclass
 class Tokens:
     train: np.ndarray  # 1-D token ids
@@ -87,6 +83,9 @@ def _memmap(path: str, dtype: type) -> np.ndarray:
                          "train.bin and val.bin)")
     if os.path.getsize(path) == 0:
         raise ValueError(f"--data {path}: the file is empty")
+    if os.path.getsize(path) % np.dtype(dtype).itemsize:
+        raise ValueError(f"--data {path}: {os.path.getsize(path)} bytes is not a whole number of "
+                         f"{np.dtype(dtype).name} token ids")
     return np.memmap(path, dtype=dtype, mode="r")
 
 
@@ -96,6 +95,14 @@ def check(tokens: Tokens, seq_len: int) -> None:
         if len(array) < seq_len + 1:
             raise ValueError(f"--data {tokens.name}: the {split} split holds {len(array)} tokens, "
                              f"fewer than --seq_len + 1 = {seq_len + 1}")
+
+
+def largest_id(array: np.ndarray, rank: int, world_size: int, chunk: int = 1 << 26) -> int:
+    """The largest token id in this rank's 1/world_size of the array: the ranks read the file in
+    parallel, and one all-reduce (max) finishes the check before any step."""
+    share = -(-len(array) // world_size)
+    part = array[rank * share:(rank + 1) * share]
+    return max((int(part[i:i + chunk].max()) for i in range(0, len(part), chunk)), default=0)
 
 
 def batch_starts(step: int, seed: int, n_tokens: int, seq_len: int, global_batch: int) -> np.ndarray:
@@ -110,12 +117,10 @@ def val_starts(n_tokens: int, seq_len: int, max_tokens: int) -> np.ndarray:
     return np.arange(count) * seq_len
 
 
-def windows(array: np.ndarray, starts: np.ndarray, seq_len: int, vocab_size: int,
+def windows(array: np.ndarray, starts: np.ndarray, seq_len: int,
             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets), each (len(starts), seq_len) int64: targets are the inputs shifted by one."""
     rows = np.stack([np.asarray(array[s:s + seq_len + 1], dtype=np.int64) for s in starts])
-    if rows.max() >= vocab_size:  # on the host, before the device: an embedding index error is cryptic
-        raise BadToken(f"token id {rows.max()} in the data, but the vocab holds {vocab_size}: set --vocab_size")
     batch = torch.from_numpy(rows)
     if device.type == "cuda":
         batch = batch.pin_memory().to(device, non_blocking=True)  # the copy overlaps the step in flight

@@ -54,6 +54,8 @@ def main() -> None:
     for out_dir in args.out_dirs:
         if not os.path.isfile(os.path.join(out_dir, "metrics.jsonl")):
             parser.error(f"{out_dir}: no metrics.jsonl (give the --out_dir of a run)")
+        if not any("loss" in record for record in read_metrics(out_dir)):
+            parser.error(f"{out_dir}: its metrics.jsonl holds no log line yet")
     plot(args.out_dirs, args.out)
     print(f"wrote {args.out}")
 

@@ -67,9 +67,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peak_tflops", type=float, help="the GPU's peak, for MFU (default: from its name)")
     p.add_argument("--timeout", type=float, help="seconds a collective may wait (default: torch's, 10 min on nccl)")
     args = p.parse_args(argv)
-    for name in ("max_steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_every", "val_tokens"):
-        if getattr(args, name) < 1:
+    for name in ("max_steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_every", "val_tokens",
+                 "vocab_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
+    for name in ("lr", "timeout", "peak_tflops"):
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
+            p.error(f"--{name} must be above 0")
+    for name in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "seed"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            p.error(f"--{name} must not be negative")
     if args.vocab_size is not None and args.data == "synthetic":
         p.error(f"--vocab_size is for files; the synthetic data has {data.SYNTHETIC_VOCAB} tokens")
     if args.shard_size is not None and (args.parallel != "hsdp" or args.shard_size < 1):
@@ -185,7 +192,7 @@ def evaluate(model: torch.nn.Module, tokens: data.Tokens, starts, args: argparse
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of losses, tokens)
     for i in range(batches):
         chunk = mine[i * args.batch_size:(i + 1) * args.batch_size]
-        x, y = data.windows(tokens.val, chunk if len(chunk) else starts[:1], args.seq_len, tokens.vocab_size, device)
+        x, y = data.windows(tokens.val, chunk if len(chunk) else starts[:1], args.seq_len, device)
         with autocast:
             logits = model(x)
         losses = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
@@ -210,9 +217,41 @@ def peak_flops(args: argparse.Namespace, device: torch.device) -> float | None:
     return bf16 * 1e12 / (2 if args.precision == "fp32" else 1)
 
 
+def check_input(args: argparse.Namespace, tokens: data.Tokens, rank: int, world_size: int,
+                device: torch.device) -> None:
+    """Bad data or paths stop every rank alike, before any step, with one line (a ValueError).
+
+    Every token id must fit the vocab: an embedding fed one that does not fails with a cryptic
+    device-side error, possibly hours in. The ranks scan a share of each split each, and an
+    all-reduce (max) tells all of them. Rank 0 tries --out_dir and --export, and tells the others."""
+    data.check(tokens, args.seq_len)
+    if tokens.name != "synthetic":  # its ids are below its vocab by construction
+        largest = torch.tensor([data.largest_id(a, rank, world_size) for a in (tokens.train, tokens.val)],
+                               device=device)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        if largest.max().item() >= tokens.vocab_size:
+            raise ValueError(f"--data {tokens.name}: token id {largest.max().item()} is outside the vocab of "
+                             f"{tokens.vocab_size}: set --vocab_size")
+    problem = [None]
+    if rank == 0:
+        try:
+            os.makedirs(args.out_dir, exist_ok=True)
+            open(os.path.join(args.out_dir, "metrics.jsonl"), "a").close()
+            if args.export:
+                if os.path.isdir(args.export):
+                    raise IsADirectoryError(21, "is a folder", args.export)
+                open(args.export + ".tmp", "wb").close()  # the file export() will write, then rename
+                os.remove(args.export + ".tmp")
+        except OSError as error:
+            problem[0] = f"{error.filename}: {error.strerror}"
+    dist.broadcast_object_list(problem, src=0)  # every rank stops, or none does
+    if problem[0]:
+        raise ValueError(problem[0])
+
+
 def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> torch.nn.Module:
     tokens = data.load(args.data, args.vocab_size)
-    data.check(tokens, args.seq_len)
+    check_input(args, tokens, rank, world_size, device)
     config = GPTConfig(vocab_size=tokens.vocab_size, seq_len=args.seq_len, **CONFIGS[args.model])
     model = build(args, config, world_size, device)
     gpt = model.module if isinstance(model, DDP) else model  # .module: DDP's wrapped model
@@ -226,7 +265,6 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     peak = peak_flops(args, device)
     metrics = None
     if rank == 0:
-        os.makedirs(args.out_dir, exist_ok=True)
         metrics = open(os.path.join(args.out_dir, "metrics.jsonl"), "w", buffering=1)  # noqa: SIM115
         mesh = " × ".join(map(str, model.blocks[0].attn.q.weight.device_mesh.shape)) if args.parallel == "hsdp" else ""
         print(f"gpt {args.model} ({gpt.num_params() / 1e6:.2f}M parameters) | {args.parallel} on {world_size} "
@@ -253,7 +291,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
             mine = starts[rank * args.batch_size * args.grad_accum:][:args.batch_size * args.grad_accum]
             for micro in range(args.grad_accum):
                 x, y = data.windows(tokens.train, mine[micro * args.batch_size:][:args.batch_size], args.seq_len,
-                                    tokens.vocab_size, device)
+                                    device)
                 with gradient_sync(model, micro == args.grad_accum - 1), autocast:
                     logits = model(x)  # (batch, seq, vocab)
                     # / grad_accum: the gradient of the mean over the micro-steps; the ranks' mean is DDP's
@@ -302,13 +340,17 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
 def export_model(model: torch.nn.Module, path: str, rank: int) -> None:
     """The whole model as a plain state_dict on rank 0. Under FSDP every rank must take part: the
     full tensors are gathered from every shard."""
+    gpt = model.module if isinstance(model, DDP) else model
     if isinstance(model, DDP):
-        state = model.module.state_dict()
+        state = gpt.state_dict()
     else:
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:  # one writer
-        export(path, (model.module if isinstance(model, DDP) else model).config,
-               {k: v.cpu() for k, v in state.items()})
+        state = {name: tensor.cpu() for name, tensor in state.items()}
+        first = {}
+        for name, param in gpt.named_parameters(remove_duplicate=False):  # tied weights: one tensor, saved once
+            state[name] = state[first.setdefault(id(param), name)]
+        export(path, gpt.config, state)
 
 
 def train_and_export(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> None:
@@ -326,10 +368,8 @@ def main() -> None:
     rank, _, world_size, device = setup(args)
     try:
         train_and_export(args, rank, world_size, device)
-    except ValueError as error:  # bad input: one line, no traceback
-        # Bad options and files are found alike by every rank before any step: rank 0 says so. A
-        # bad token is found by the rank whose batch holds it; torchrun then stops the others.
-        if rank == 0 or isinstance(error, data.BadToken):
+    except ValueError as error:  # bad input, found alike by every rank before any step: one line
+        if rank == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(1)
     finally:

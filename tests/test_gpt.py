@@ -21,8 +21,8 @@ from harness import torchrun_in_process
 from launch import REPO, run
 
 sys.path.insert(0, str(REPO))  # gpt.model and gpt.data, which import nothing of the project
-from gpt.data import batch_starts, load  # noqa: E402
-from gpt.model import GPT  # noqa: E402
+from gpt.data import load  # noqa: E402
+from gpt.model import CONFIGS, GPT, GPTConfig  # noqa: E402
 
 TRAIN = "gpt/train.py"
 # 8 steps of a global batch of 12 sequences of 32 tokens, logged every step; warmup and cosine in reach.
@@ -68,6 +68,8 @@ def assert_same_training(reference, other, what: str) -> None:
     ref_losses = [(r["step"], r["loss"]) for r in ref_records if "loss" in r]
     assert [s for s, _ in losses] == [s for s, _ in ref_losses] == list(range(1, 9)), what
     np.testing.assert_allclose([v for _, v in losses], [v for _, v in ref_losses], rtol=LOSS_RTOL, err_msg=what)
+    norms, ref_norms = ([r["grad_norm"] for r in rs if "loss" in r] for rs in (records, ref_records))
+    np.testing.assert_allclose(norms, ref_norms, rtol=LOSS_RTOL, err_msg=what)
     val = [r["val_loss"] for r in records if "val_loss" in r]
     np.testing.assert_allclose(val, [r["val_loss"] for r in ref_records if "val_loss" in r], rtol=LOSS_RTOL)
     assert weights.keys() == ref_weights.keys()
@@ -207,26 +209,34 @@ def test_every_documented_gpt_command_passes_options_train_py_accepts():
     (["--parallel", "fsdp", "--precision", "fp16"], "--precision fp16 needs --parallel ddp"),
     (["--data", "no/such/file.txt"], "error: --data no/such/file.txt: no such file"),
     (["--seq_len", "200000"], "error: --data synthetic: the val split holds 32768 tokens, fewer than --seq_len"),
-    (["--data", "{text}", "--vocab_size", "100"], "but the vocab holds 100: set --vocab_size"),
+    (["--data", "{text}", "--vocab_size", "100"], "is outside the vocab of 100: set --vocab_size"),
+    (["--out_dir", "{text}"], "error: {text}: File exists"),
+    (["--export", "{folder}"], "error: {folder}: is a folder"),
+    (["--timeout", "-1"], "--timeout must be above 0"),
     (["--vocab_size", "100"], "--vocab_size is for files; the synthetic data has 64 tokens"),
     (["--shard_size", "2"], "--shard_size is for --parallel hsdp"),
     (["--parallel", "hsdp", "--shard_size", "2"], "error: --shard_size 2 does not divide the 1 ranks"),
 ])
 def test_bad_input_gets_one_line_and_a_non_zero_exit(argv, error, text_file):
-    result = torchrun_in_process(1, TRAIN, *(a.format(text=text_file) for a in argv), "--max_steps", "1",
-                                 timeout=60)
-    assert result.codes[0] != 0 and error in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr
+    names = {"text": text_file, "folder": text_file.parent}
+    result = torchrun_in_process(1, TRAIN, *(a.format(**names) for a in argv), "--max_steps", "1", timeout=60)
+    assert result.codes[0] != 0 and error.format(**names) in result.stderr, result.stderr
+    said = [line for line in result.stderr.splitlines() if not line.startswith(("usage:", " "))]  # argparse's usage
+    assert len(said) == 1 and "Traceback" not in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_bf16_trains_as_fp32_does_to_within_its_precision(parallel):
-    """bf16 (autocast under DDP, FSDP2's MixedPrecisionPolicy under FSDP) keeps 8 bits of mantissa:
-    the losses follow fp32's to about 1%."""
+    """bf16 (autocast under DDP, FSDP2's MixedPrecisionPolicy under FSDP) keeps 8 bits of mantissa.
+    Measured against fp32 over 8 steps: the losses within 1e-4, the gradient norms within 5e-3,
+    where fp32 at 2 ranks is within 1e-7 of one process: bf16 did compute in bf16."""
     reference, _, _ = one_process()
     records, _, _ = run_split(parallel, 2, 2, 3, "--precision", "bf16")
     np.testing.assert_allclose([r["loss"] for r in records if "loss" in r],
-                               [r["loss"] for r in reference if "loss" in r], rtol=2e-2)
+                               [r["loss"] for r in reference if "loss" in r], rtol=1e-3)
+    norms, ref_norms = ([r["grad_norm"] for r in rs if "loss" in r] for rs in (records, reference))
+    np.testing.assert_allclose(norms, ref_norms, rtol=3e-2)
+    assert max(abs(a / b - 1) for a, b in zip(norms, ref_norms, strict=True)) > 1e-4
 
 
 def test_plot_draws_each_runs_losses(tmp_path):
@@ -292,19 +302,37 @@ def test_compile_trains_what_eager_does():
                                [r.get("loss", r.get("val_loss")) for r in eager], rtol=1e-5)
 
 
-def test_a_bad_token_in_one_ranks_batch_is_reported_by_that_rank(tmp_path):
-    """A token id beyond the vocab, planted where only rank 1 reads it in step 0: the error is
-    found by one rank, not by all, and that rank says so in one line (rank 0, waiting for it in
-    the gradient all-reduce, fails when it leaves)."""
-    seq_len, tokens = 16, np.zeros(4096, dtype=np.uint16)
-    starts = batch_starts(0, 0, len(tokens), seq_len, 4)  # 2 ranks × batch 2
-    mine, theirs = set(range(starts[2], starts[2] + seq_len + 1)), set()
-    for start in starts[:2]:
-        theirs.update(range(start, start + seq_len + 1))
-    tokens[min(mine - theirs)] = 300
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_a_bad_token_anywhere_stops_every_rank_before_any_step(split, tmp_path):
+    """A token id beyond the vocab, in the part of a split that only the last of 3 ranks scans: the
+    all-reduce of the ranks' largest ids tells every rank, and all stop alike with one line, before
+    a step that might never have drawn the window that holds it."""
+    tokens = np.zeros(3000, dtype=np.uint16)
     tokens.tofile(tmp_path / "train.bin")
-    tokens[:100].tofile(tmp_path / "val.bin")
-    result = torchrun_in_process(2, TRAIN, "--data", str(tmp_path), "--vocab_size", "256", "--seq_len", str(seq_len),
-                                 "--batch_size", "2", "--max_steps", "1", cwd=tmp_path, timeout=60)
-    assert result.codes[1] == 1 and result.codes[0] != 0
-    assert result.stderrs[1].strip() == "error: token id 300 in the data, but the vocab holds 256: set --vocab_size"
+    tokens.tofile(tmp_path / "val.bin")
+    bad = tokens.copy()
+    bad[-1] = 300  # in the last rank's third
+    bad.tofile(tmp_path / f"{split}.bin")
+    result = torchrun_in_process(3, TRAIN, "--data", str(tmp_path), "--vocab_size", "256", "--max_steps", "1",
+                                 cwd=tmp_path, timeout=60)
+    assert result.codes == [1, 1, 1], result.stderr
+    said = f"error: --data {tmp_path}: token id 300 is outside the vocab of 256: set --vocab_size"
+    assert result.stderr.strip() == said
+    assert not (tmp_path / "out").exists()  # stopped before anything was written
+
+
+def test_evaluation_counts_each_window_once_when_a_rank_has_none_left():
+    """8 validation windows over 3 FSDP ranks in batches of 1: 3, 3 and 2 windows, so the last rank
+    runs one forward with nothing to count (FSDP all-gathers in every forward: a rank that skipped
+    it would hang the others). The val_loss equals the mean over the 8 windows computed here, in
+    one process with the exported model."""
+    argv = ("--max_steps", "2", "--eval_every", "2", "--val_tokens", "256", "--seq_len", "32", "--batch_size", "1")
+    records, weights, _ = train(3, *argv, "--parallel", "fsdp", "--timeout", "30")
+    model = GPT(GPTConfig(vocab_size=64, seq_len=32, **CONFIGS["tiny"]))
+    model.load_state_dict(weights)
+    tokens = load("synthetic")
+    starts = np.arange(8) * 32
+    x = torch.from_numpy(np.stack([tokens.val[s:s + 33].astype(np.int64) for s in starts]))
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).item()
+    assert records[-1]["val_loss"] == pytest.approx(expected, rel=1e-6)
