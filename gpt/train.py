@@ -13,26 +13,38 @@ validation set. The whole story, and how to run it on 8 GPUs or several nodes: d
 """
 import argparse
 import contextlib
+import ctypes
 import json
 import math
 import os
+import signal
 import sys
 import time
+from dataclasses import asdict
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
+from checkpoint import Checkpoints
 from model import CONFIGS, GPT, GPTConfig, export
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# What a checkpoint records of the run that wrote it; a resume with other values says so in one line.
+RUN = ("max_steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "seed", "batch_size",
+       "grad_accum", "parallel", "precision")
 # Dense bf16 tensor-core peak per GPU in TFLOP/s (NVIDIA's datasheets); TF32 is half of it.
 PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
 
@@ -63,18 +75,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval_every", type=int, default=100, help="steps between evaluations (and at the end)")
     p.add_argument("--val_tokens", type=int, default=32768, help="tokens in the validation set")
     p.add_argument("--out_dir", default="out", help="where metrics.jsonl goes")
+    p.add_argument("--save_every", type=int, default=100, help="steps between checkpoints in OUT_DIR (0: only at "
+                                                               "the end)")
+    p.add_argument("--keep", type=int, default=2, help="checkpoints kept; older ones are deleted")
     p.add_argument("--export", help="write the whole model here at the end, for GPT.load (gpt/model.py)")
     p.add_argument("--peak_tflops", type=float, help="the GPU's peak, for MFU (default: from its name)")
     p.add_argument("--timeout", type=float, help="seconds a collective may wait (default: torch's, 10 min on nccl)")
     args = p.parse_args(argv)
     for name in ("max_steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_every", "val_tokens",
-                 "vocab_size"):
+                 "vocab_size", "keep"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
     for name in ("lr", "timeout", "peak_tflops"):
         if getattr(args, name) is not None and not getattr(args, name) > 0:
             p.error(f"--{name} must be above 0")
-    for name in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "seed"):
+    for name in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "seed", "save_every"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             p.error(f"--{name} must not be negative")
     if args.vocab_size is not None and args.data == "synthetic":
@@ -103,8 +118,34 @@ def setup(args: argparse.Namespace) -> tuple[int, int, int, torch.device]:
         device, backend, init = torch.device("cpu"), "gloo", {}
     if "RANK" not in os.environ:  # plain python: a group of one, with no port to pick
         init["store"], init["rank"], init["world_size"] = dist.HashStore(), 0, 1
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's own store: see attempt_store
+        init["store"], init["rank"], init["world_size"] = attempt_store(local_rank), rank, world_size
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ and sys.platform == "linux":
+        # torchrun starts each worker in a session of its own: a `kill -9` of torchrun would leave the
+        # workers training (and rank 0 holding OUT_DIR's lock). Linux sends this signal when it dies,
+        # which stops the job as a preemption does: every rank saves the step in flight.
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
     dist.init_process_group(backend, **init, **timeout)
     return rank, local_rank, world_size, device
+
+
+def attempt_store(local_rank: int) -> dist.Store:
+    """The store of this attempt of a torchrun job that may restart (--max-restarts).
+
+    torchrun hands its workers its rendezvous store, which outlives a restart with every key the
+    dead workers wrote, gloo's addresses among them: a restarted gloo group can read a dead
+    worker's address and fail to connect, or hang (pytorch/pytorch#135712). So each attempt meets
+    under keys of its own. The attempt number is each agent's own restart count, which the agents
+    of several nodes do not agree on (pytorch/pytorch#108158): restarts on several nodes need
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which gives every attempt a new store (and env://)."""
+    nodes, restarts = (int(os.environ.get(k, "0")) for k in ("GROUP_WORLD_SIZE", "TORCHELASTIC_MAX_RESTARTS"))
+    if nodes > 1 and restarts > 0:
+        if local_rank == 0:  # one line per node
+            print("error: torchrun --max-restarts on several nodes needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in "
+                  "torchrun's environment on every node (pytorch/pytorch#135712)", file=sys.stderr, flush=True)
+        sys.exit(2)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def build(args: argparse.Namespace, config: GPTConfig, world_size: int, device: torch.device) -> torch.nn.Module:
@@ -249,9 +290,110 @@ def check_input(args: argparse.Namespace, tokens: data.Tokens, rank: int, world_
         raise ValueError(problem[0])
 
 
+class StopRequest:
+    """SIGTERM (a preemption: Slurm and Kubernetes send it first, and torchrun passes it on to its
+    workers, then kills them 30 s later) or SIGINT, noted by a handler and agreed by every rank at a
+    step boundary, so that all stop after the same step and save it. A second signal ends the
+    process at once."""
+
+    def __init__(self) -> None:
+        self.signal = 0
+        self.group = dist.new_group(backend="gloo")  # a CPU flag: no device sync; not the checkpoint thread's group
+        self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def handle(self, signum: int, frame) -> None:
+        if self.signal:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.signal = signum
+
+    def agreed(self) -> bool:
+        flag = torch.tensor([self.signal], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)  # any rank's signal stops all
+        self.name = signal.Signals(int(flag)).name if int(flag) else None
+        return bool(int(flag))
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def open_metrics(out_dir: str, first_step: int):
+    """metrics.jsonl for appending, holding only the records up to `first_step`: a resumed run
+    drops what the run it resumes logged after its checkpoint, and logs those steps again."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    kept = []
+    if first_step and os.path.exists(path):
+        with open(path) as file:
+            for line in file:
+                try:
+                    if json.loads(line)["step"] <= first_step:
+                        kept.append(line)
+                except (ValueError, KeyError, TypeError):
+                    pass  # a line cut short by a crash
+    with open(path + ".tmp", "w") as file:
+        file.writelines(kept)
+    os.replace(path + ".tmp", path)
+    return open(path, "a", buffering=1)  # noqa: SIM115  (line-buffered: a crash loses no finished line)
+
+
+def resume(args: argparse.Namespace, checkpoints: Checkpoints, model: torch.nn.Module,
+           optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, config: GPTConfig, rank: int) -> int:
+    """Load the newest whole checkpoint in OUT_DIR, if there is one; return the step to start from.
+
+    Any world size or --parallel resumes (DCP reshards); another model config is refused. A changed
+    schedule, --max_steps or seed is the user's choice: said in one line. The optimizer's state is
+    created where a fresh run creates it (get_state_dict makes it with a zero step, on the
+    parameters' devices, `step` on the CPU unless fused) and the saved values are copied into it:
+    never Adam's `step` moved to the GPU, where every later step would sync on it (pytorch#128208)."""
+    found = checkpoints.newest()
+    if found is None:
+        return 0
+    folder, manifest = found
+    if manifest.get("config") != asdict(config):
+        raise ValueError(f"checkpoint {folder} is of another model ({manifest.get('config')}), not {asdict(config)}: "
+                         "give another --out_dir, or the --model, --seq_len and data it was trained with")
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    checkpoints.load(folder, state)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if manifest["scaler"]:
+        scaler.load_state_dict(manifest["scaler"])
+    if rank == 0:
+        print(f"resuming from {folder}: step {manifest['step']} of {args.max_steps}", flush=True)
+        run = {**{f"--{name}": getattr(args, name) for name in RUN}, "ranks": dist.get_world_size()}
+        changed = [f"{name} {value} (was {manifest['run'].get(name)})" for name, value in run.items()
+                   if manifest["run"].get(name) != value]
+        if changed:
+            print(f"changed since that checkpoint, as asked: {', '.join(changed)}", flush=True)
+    return manifest["step"]
+
+
+def settle_buckets(model: DDP, x: torch.Tensor, autocast) -> None:
+    """One backward of zeros, so that every real step uses the same gradient buckets. DDP's first
+    backward all-reduces one bucket in the order the model defines its parameters, then it
+    rebuilds its buckets in the order the gradients became ready; with 3 or more ranks, where a
+    number sits in a bucket decides the order in which the ranks' values are added, and so its
+    rounding. After this pass a fresh run and a resumed one step alike, bit for bit."""
+    with autocast:
+        logits = model(x)
+    (logits.float().sum() * 0).backward()  # all-reduces zeros; no optimizer step follows
+    model.zero_grad(set_to_none=True)
+
+
 def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> torch.nn.Module:
     tokens = data.load(args.data, args.vocab_size)
     check_input(args, tokens, rank, world_size, device)
+    checkpoints = Checkpoints(args.out_dir, rank, world_size, args.keep, args.timeout or 1800.0)
+    try:
+        return train_steps(args, tokens, checkpoints, rank, world_size, device)
+    finally:
+        checkpoints.close()  # the save in flight finishes first
+
+
+def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Checkpoints, rank: int,
+                world_size: int, device: torch.device) -> torch.nn.Module:
+    no_lock = checkpoints.lock()
     config = GPTConfig(vocab_size=tokens.vocab_size, seq_len=args.seq_len, **CONFIGS[args.model])
     model = build(args, config, world_size, device)
     gpt = model.module if isinstance(model, DDP) else model  # .module: DDP's wrapped model
@@ -265,25 +407,39 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     peak = peak_flops(args, device)
     metrics = None
     if rank == 0:
-        metrics = open(os.path.join(args.out_dir, "metrics.jsonl"), "w", buffering=1)  # noqa: SIM115
         mesh = " × ".join(map(str, model.blocks[0].attn.q.weight.device_mesh.shape)) if args.parallel == "hsdp" else ""
         print(f"gpt {args.model} ({gpt.num_params() / 1e6:.2f}M parameters) | {args.parallel} on {world_size} "
               f"rank{'s' if world_size > 1 else ''}{f' ({mesh} mesh)' if mesh else ''}, {device.type} | "
               f"data {tokens.name} (vocab {tokens.vocab_size}) | global batch {global_batch} × {args.seq_len} tokens",
               flush=True)
+        for line in [no_lock] if no_lock else []:
+            print(line, flush=True)
         if device.type == "cuda" and peak is None:
             print(f"no mfu: the peak of {torch.cuda.get_device_name(device)} is not known; give --peak_tflops",
                   flush=True)
+    first_step = resume(args, checkpoints, model, optimizer, scaler, config, rank)
+    if rank == 0:
+        metrics = open_metrics(args.out_dir, first_step)
+    stop = StopRequest()
+    if isinstance(model, DDP) and first_step < args.max_steps:
+        starts = data.batch_starts(first_step, args.seed, len(tokens.train), args.seq_len, global_batch)
+        settle_buckets(model, data.windows(tokens.train, starts[:args.batch_size], args.seq_len, device)[0], autocast)
 
     def log(record: dict, line: str) -> None:
         if rank == 0:  # after every rank's collective: never a collective inside this guard
             print(line, flush=True)
             metrics.write(json.dumps(record) + "\n")
 
+    def save(step: int) -> None:
+        extra = {"config": asdict(config), "run": {**{f"--{n}": getattr(args, n) for n in RUN}, "ranks": world_size},
+                 "scaler": scaler.state_dict() if scaler.is_enabled() else None}
+        model_state, optim_state = get_state_dict(model, optimizer)
+        checkpoints.save({"model": model_state, "optim": optim_state}, step, extra)
+
     loss_sum = torch.zeros((), device=device)  # on the device until a log line: no host sync per step
     steps_since_log, started = 0, time.perf_counter()
     try:
-        for step in range(args.max_steps):
+        for step in range(first_step, args.max_steps):
             lr = lr_at(step, args)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -305,11 +461,20 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
             optimizer.zero_grad(set_to_none=True)
             steps_since_log += 1
             done = step + 1 == args.max_steps
-            if (step + 1) % args.log_every == 0 or done:
+            stopping = stop.agreed()  # a SIGTERM to any rank stops every rank after this same step
+            saving = done or stopping or (args.save_every and (step + 1) % args.save_every == 0)
+            if (step + 1) % args.log_every == 0 or done or saving:
                 dist.all_reduce(loss_sum)  # every rank's sequences (gloo has no AVG: sum, then divide)
                 loss = loss_sum.item() / (world_size * steps_since_log)  # the one host sync of the interval
                 elapsed = time.perf_counter() - started
                 tokens_per_s = steps_since_log * global_batch * args.seq_len / elapsed
+                if not (math.isfinite(loss) and math.isfinite(grad_norm.item())):
+                    # The same all-reduced loss and global norm on every rank: all stop here, and
+                    # nothing is saved over the last good checkpoint.
+                    last = checkpoints.committed()
+                    raise ValueError(f"the loss ({loss}) or the gradient's norm ({grad_norm.item()}) is not finite "
+                                     f"at step {step + 1}: stopped without saving"
+                                     + (f"; the last checkpoint, {last[-1]}, is untouched" if last else ""))
                 record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
                           "tokens_per_s": tokens_per_s}
                 line = (f"step {step + 1} | loss {loss:.4f} | lr {lr:.2e} | grad_norm {grad_norm.item():.3f} | "
@@ -329,13 +494,22 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
                     line += f" | floor {tokens.floor:.4f} ({val_loss / tokens.floor:.3f} × floor)"
                 log(record, line)
                 started += time.perf_counter() - eval_started  # evaluation is not training time
+            if saving:
+                save(step + 1)
+            if stopping:
+                checkpoints.wait()  # inside torchrun's shutdown window (30 s), then out
+                if rank == 0:
+                    print(f"stopped by {stop.name} after step {step + 1}: saved {checkpoints.committed()[-1]}; "
+                          "the same command resumes", flush=True)
+                break
             if steps_since_log == 0:
                 started = time.perf_counter()
+        checkpoints.wait()
     finally:
+        stop.restore()
         if metrics:
             metrics.close()
     return model
-
 
 def export_model(model: torch.nn.Module, path: str, rank: int) -> None:
     """The whole model as a plain state_dict on rank 0. Under FSDP every rank must take part: the

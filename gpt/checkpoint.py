@@ -1,0 +1,160 @@
+"""Sharded, asynchronous checkpoints that are whole or absent, and the lock that keeps one job per folder.
+
+OUT_DIR/step_00000100/ is one checkpoint: torch.distributed.checkpoint (DCP) files, each rank
+writing its own shard, and manifest.json, written last, with each file's size and sha256 and what
+a resume needs besides tensors (the step, the scaler, the model's config, the schedule). A save
+is written into step_N.tmp/ in a background thread (dcp.async_save: training goes on), then
+renamed: a folder without .tmp is whole. The last --keep are kept.
+
+A resume reads the newest whole checkpoint. DCP reshards: a checkpoint written by 2 ranks under
+ddp loads at 3 ranks under fsdp. Before loading, the ranks share out the manifest's files and
+check each one's size and sha256, so a damaged or missing shard is one line, not a wrong model.
+
+The waits that can outlast a training collective (a save's gather of results, the check before
+a load) run on a gloo group of their own with its own timeout: under nccl, `barrier(timeout=)`
+is not honoured, and async_save needs a CPU backend anyway.
+"""
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+MANIFEST = "manifest.json"
+NAME = re.compile(r"^step_(\d{8})$")
+
+
+def sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class Checkpoints:
+    def __init__(self, out_dir: str, rank: int, world_size: int, keep: int, timeout: float) -> None:
+        self.out_dir, self.rank, self.world_size, self.keep = out_dir, rank, world_size, keep
+        # waits that may outlast a training collective: gloo honours this timeout, nccl's barrier would not
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self.pending: Future | None = None
+        self.lock_fd: int | None = None
+
+    # -- the lock --------------------------------------------------------------------------------
+
+    def lock(self) -> str | None:
+        """Rank 0 takes OUT_DIR/lock for the life of the job; every rank learns the verdict. Returns a
+        line to print where the file system has no locks (the job goes on); raises if another job
+        holds it."""
+        verdict = [None, None]  # (error, warning)
+        if self.rank == 0:
+            self.lock_fd = os.open(os.path.join(self.out_dir, "lock"), os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                verdict[0] = f"{self.out_dir} is in use by another job (it holds {self.out_dir}/lock)"
+            except OSError as error:
+                if error.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+                    raise
+                verdict[1] = (f"no lock on {self.out_dir}: its file system does not support flock "
+                              f"({errno.errorcode[error.errno]}); make sure no other job writes there")
+        dist.broadcast_object_list(verdict, src=0, group=self.group)  # every rank stops alike, or none
+        if verdict[0]:
+            raise ValueError(verdict[0])
+        return verdict[1]
+
+    # -- saving ----------------------------------------------------------------------------------
+
+    def save(self, state: dict, step: int, extra: dict) -> None:
+        """Start writing `state` (DCP's state dicts) as step `step`; return once it is copied off
+        the training path. `extra` (plain types) goes into the manifest. One save in flight at a
+        time: this waits for the one before."""
+        self.wait()
+        folder = os.path.join(self.out_dir, f"step_{step:08d}")
+        if self.rank == 0 and os.path.exists(folder + ".tmp"):
+            shutil.rmtree(folder + ".tmp")  # a save cut short by a crash: the lock says it was ours
+        dist.barrier(group=self.group)  # nobody writes into the folder before it is cleared
+        future = dcp.async_save(state, checkpoint_id=folder + ".tmp", process_group=self.group)
+        self.pending = self.executor.submit(self._commit, future, folder, {"step": step, **extra})
+
+    def _commit(self, future: Future, folder: str, extra: dict) -> None:
+        """In the background: once every rank's shard is written, each hashes its own files, rank 0
+        writes the manifest and renames the folder into place, and drops the oldest."""
+        future.result()
+        tmp = folder + ".tmp"
+        mine = {name: {"size": os.path.getsize(os.path.join(tmp, name)), "sha256": sha256(os.path.join(tmp, name))}
+                for name in os.listdir(tmp) if name.startswith(f"__{self.rank}_") or
+                (self.rank == 0 and name == ".metadata")}
+        everyone = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.group)
+        if self.rank == 0:
+            files = {name: entry for part in everyone for name, entry in part.items()}
+            with open(os.path.join(tmp, MANIFEST), "w") as file:
+                json.dump({**extra, "files": files}, file, indent=1)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(tmp, folder)  # the commit: a folder without .tmp is whole
+            for old in self.committed()[:-self.keep]:
+                shutil.rmtree(os.path.join(self.out_dir, old))
+        dist.barrier(group=self.group)
+
+    def wait(self) -> None:
+        """Until the save in flight is committed (its errors raise here)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
+
+    # -- loading ---------------------------------------------------------------------------------
+
+    def committed(self) -> list[str]:
+        """The whole checkpoints' folder names, oldest first."""
+        names = os.listdir(self.out_dir) if os.path.isdir(self.out_dir) else []
+        return sorted(n for n in names if NAME.match(n) and os.path.isfile(os.path.join(self.out_dir, n, MANIFEST)))
+
+    def newest(self) -> tuple[str, dict] | None:
+        """(folder, manifest) of the newest whole checkpoint, or None. Every rank agrees on which
+        (rank 0's view of a shared folder), and the ranks check its files between them."""
+        newest = [self.committed()[-1] if self.committed() else None]
+        dist.broadcast_object_list(newest, src=0, group=self.group)
+        if newest[0] is None:
+            return None
+        folder, problems, manifest = os.path.join(self.out_dir, newest[0]), [], {}
+        try:
+            with open(os.path.join(folder, MANIFEST)) as file:
+                manifest = json.load(file)
+            files = sorted(manifest["files"])
+            problems += [f"{name} is not in its manifest" for name in sorted(set(os.listdir(folder)) - {MANIFEST}
+                                                                              - set(files))][:1]
+            for name in files[self.rank::self.world_size]:
+                path, entry = os.path.join(folder, name), manifest["files"][name]
+                if not os.path.isfile(path):
+                    problems.append(f"{name} is missing")
+                elif os.path.getsize(path) != entry["size"] or sha256(path) != entry["sha256"]:
+                    problems.append(f"{name} is damaged: its size or sha256 is not the manifest's")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            problems.append(f"its {MANIFEST} cannot be read ({type(error).__name__}: {error})")
+        everyone = [None] * self.world_size
+        dist.all_gather_object(everyone, problems, group=self.group)
+        found = [p for part in everyone for p in part]
+        if found:
+            raise ValueError(f"checkpoint {folder}: {found[0]}; move the folder aside to resume from the one before")
+        return folder, manifest
+
+    def load(self, folder: str, state: dict) -> None:
+        """Read the checkpoint into `state` in place: DCP reads the pieces of each tensor that this
+        rank holds, whatever the world size or layout that wrote it."""
+        dcp.load(state, checkpoint_id=folder, process_group=self.group)
+
+    def close(self) -> None:
+        self.wait()
+        self.executor.shutdown()
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)

@@ -1,0 +1,193 @@
+"""gpt/ survives: sharded async checkpoints that resume at another world size or layout, a killed
+worker under torchrun --max-restarts, SIGTERM, and bad checkpoints, each with one line.
+
+Launches whose point is the launcher (restarts, signals) run torchrun whole; the rest run each
+rank's main() in the harness (tests/harness.torchrun_in_process), as tests/test_gpt.py does."""
+import json
+import random
+import re
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from harness import torchrun_in_process
+from launch import REPO, TORCHRUN, Group, run
+
+sys.path.insert(0, str(REPO))
+from gpt.model import GPT  # noqa: E402
+
+TRAIN = "gpt/train.py"
+INJECT = {"PYTHONPATH": str(REPO / "tests" / "inject")}
+# 24 steps, a checkpoint every 4, a log line and the LR of every step.
+ARGV = ["--max_steps", "24", "--save_every", "4", "--log_every", "1", "--eval_every", "12", "--seq_len", "32",
+        "--val_tokens", "512", "--warmup_steps", "4"]
+# (--batch_size, --grad_accum) by ranks: a global batch of 12 sequences whatever the world size.
+SPLIT = {1: ("2", "6"), 2: ("2", "3"), 3: ("2", "2"), 4: ("3", "1")}
+
+
+def split(nproc: int) -> list[str]:
+    return ["--batch_size", SPLIT[nproc][0], "--grad_accum", SPLIT[nproc][1]]
+
+
+def launch(nproc: int, folder: Path, *argv: str, timeout: float = 90):
+    return torchrun_in_process(nproc, TRAIN, *ARGV, *split(nproc), *argv, "--export", "model.pt", cwd=folder,
+                               timeout=timeout)
+
+
+def records(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "out" / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return GPT.load(str(path)).state_dict()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[int, Path]:
+    """{ranks: folder} of runs that nothing interrupts, ddp, at 2 and 3 ranks."""
+    folders = {}
+    for nproc in (2, 3):
+        folder = tmp_path_factory.mktemp(f"whole{nproc}")
+        result = launch(nproc, folder)
+        assert result.codes == [0] * nproc, result.stderr
+        folders[nproc] = folder
+    return folders
+
+
+def assert_bitwise(path: Path, reference: Path) -> None:
+    mine, theirs = weights(path), weights(reference)
+    assert mine.keys() == theirs.keys()
+    for name in mine:
+        assert torch.equal(mine[name], theirs[name]), name
+
+
+def test_checkpoints_are_whole_kept_and_listed_in_their_manifest(uninterrupted):
+    out = uninterrupted[2] / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["lock", "metrics.jsonl", "step_00000020", "step_00000024"]
+    manifest = json.loads((out / "step_00000024" / "manifest.json").read_text())
+    assert manifest["step"] == 24 and manifest["run"]["ranks"] == 2
+    assert set(manifest["files"]) == {p.name for p in (out / "step_00000024").iterdir()} - {"manifest.json"}
+    assert ".metadata" in manifest["files"] and "__1_0.distcp" in manifest["files"]
+
+
+@pytest.mark.parametrize(("source", "ranks", "parallel"), [(2, 3, "ddp"), (2, 2, "fsdp"), (3, 4, "hsdp")])
+def test_a_checkpoint_resumes_at_another_world_size_or_layout(source, ranks, parallel, uninterrupted, tmp_path):
+    """The checkpoint of step 20 that an uninterrupted ddp run at `source` ranks wrote, resumed to
+    step 24 at another world size or --parallel with the same global batch (DCP reshards): the
+    steps after 20 differ from the uninterrupted run's only by how a differently split sum is
+    rounded. Every step's loss within 1e-5, its LR exactly, each step logged once."""
+    shutil.copytree(uninterrupted[source] / "out" / "step_00000020", tmp_path / "out" / "step_00000020")
+    shutil.copy(uninterrupted[source] / "out" / "metrics.jsonl", tmp_path / "out")
+    result = launch(ranks, tmp_path, "--parallel", parallel, *(["--shard_size", "2"] if parallel == "hsdp" else []))
+    assert result.codes == [0] * ranks, result.stderr
+    said = result.stdouts[0]
+    assert "resuming from out/step_00000020: step 20 of 24" in said
+    assert (f"ranks {ranks} (was {source})" in said) == (ranks != source)
+    assert (f"--parallel {parallel} (was ddp)" in said) == (parallel != "ddp")
+    logged = [r for r in records(tmp_path) if "loss" in r]
+    assert [r["step"] for r in logged] == list(range(1, 25))  # each step once: the resumed run's from 21
+    reference = [r for r in records(uninterrupted[source]) if "loss" in r]
+    np.testing.assert_allclose([r["loss"] for r in logged], [r["loss"] for r in reference], rtol=1e-5)
+    assert [r["lr"] for r in logged] == [r["lr"] for r in reference]
+    assert weights(tmp_path / "model.pt").keys() == weights(uninterrupted[source] / "model.pt").keys()
+
+
+def test_a_worker_killed_at_a_random_step_costs_nothing(uninterrupted, tmp_path):
+    """torchrun --max-restarts 3, 3 ranks, ddp, fp32: one worker SIGKILLed as it starts a step drawn
+    at random. The restarted job resumes from the last checkpoint, and ends with the weights of a
+    run that nothing interrupted, bit for bit; every step's learning rate is logged once, and the same."""
+    rank, step = random.randrange(3), random.randrange(2, 25)
+    result = run([TORCHRUN, "--standalone", "--nproc-per-node", "3", "--max-restarts", "3", TRAIN, *ARGV, *split(3),
+                  "--out_dir", str(tmp_path / "out"), "--export", str(tmp_path / "model.pt")],
+                 env={**INJECT, "KILL_RANK": str(rank), "KILL_AT": f"step:{step}"}, timeout=150)
+    assert result.returncode == 0, f"rank {rank} at step {step}\n{result.stdout}\n{result.stderr[-3000:]}"
+    assert f"[inject] SIGKILL rank {rank} at step {step}" in result.stdout
+    # The last checkpoint before the kill, or the one before it if the kill came during its commit.
+    resumed = [int(s) for s in re.findall(r"resuming from \S+/step_(\d+): ", result.stdout)]
+    last = (step - 1) // 4 * 4
+    assert len(resumed) <= 1 and (resumed or [0])[0] in (last, max(0, last - 4)), (step, resumed)  # [] from 0
+    assert_bitwise(tmp_path / "model.pt", uninterrupted[3] / "model.pt")
+    logged = [r for r in records(tmp_path) if "loss" in r]
+    assert [r["lr"] for r in logged] == [r["lr"] for r in records(uninterrupted[3]) if "loss" in r]
+    assert [r["step"] for r in logged] == list(range(1, 25))
+
+
+def test_sigterm_saves_the_step_in_flight_and_the_same_command_finishes_the_run(tmp_path):
+    """SIGTERM to torchrun (what Slurm and Kubernetes send before a preemption), mid-run: every rank
+    stops after the same step, saves it, and exits within torchrun's 30 s. The same command resumes
+    from that step, not an older one, and ends with the weights of a run that nothing stopped."""
+    argv = [*ARGV, *split(2), "--max_steps", "400", "--save_every", "1000"]
+    command = [TORCHRUN, "--standalone", "--nproc-per-node", "2", TRAIN, *argv, "--out_dir", str(tmp_path / "out"),
+               "--export", str(tmp_path / "model.pt")]
+    group = Group(tmp_path)
+    torchrun = group.start(command)
+    group.wait_for(0, "step 20 |", timeout=60)
+    torchrun.send_signal(signal.SIGTERM)
+    group.wait(timeout=40)
+    stopped = re.search(r"stopped by SIGTERM after step (\d+): saved (\S+);", group.stdout(0))
+    assert stopped, group.stdout(0)[-2000:] + group.stderr(0)[-2000:]
+    step = int(stopped[1])
+    last_logged = max(int(s) for s in re.findall(r"^step (\d+) \| loss", group.stdout(0), re.MULTILINE))
+    assert step == last_logged >= 20 and stopped[2].endswith(f"step_{step:08d}")  # the step in flight, saved
+    rerun = run(command, timeout=120)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"step {step} of 400" in rerun.stdout
+    (tmp_path / "whole").mkdir()
+    whole = torchrun_in_process(2, TRAIN, *argv, "--export", "model.pt", cwd=tmp_path / "whole", timeout=120)
+    assert whole.codes == [0, 0], whole.stderr
+    assert_bitwise(tmp_path / "model.pt", tmp_path / "whole" / "model.pt")
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+            and p.name not in ("metrics.jsonl", "lock")}
+
+
+@pytest.mark.parametrize(("damage", "said"), [
+    ("flip", "checkpoint out/step_00000024: __1_0.distcp is damaged: its size or sha256 is not the manifest's"),
+    ("delete", "checkpoint out/step_00000024: __0_0.distcp is missing"),
+    ("truncate", "checkpoint out/step_00000024: its manifest.json cannot be read (JSONDecodeError"),
+    ("model", "checkpoint out/step_00000024 is of another model"),
+    ("lock", "out is in use by another job (it holds out/lock)"),
+    ("nan", "is not finite at step 2?: stopped without saving; the last checkpoint, step_00000020, is untouched"),
+])
+def test_a_bad_checkpoint_or_run_is_one_line_and_loses_nothing(damage, said, uninterrupted, tmp_path):
+    """Each on a copy of a finished run's OUT_DIR: one line from rank 0, every rank exits non-zero,
+    and every checkpoint file is as it was. `nan`: the run resumed from step 20 with a learning
+    rate that blows up within a few steps (`?` in the line stands for one character), which must
+    not be saved over step 20."""
+    shutil.copytree(uninterrupted[2] / "out", tmp_path / "out")
+    checkpoint = tmp_path / "out" / "step_00000024"
+    extra = []
+    if damage == "flip":
+        data = bytearray((checkpoint / "__1_0.distcp").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (checkpoint / "__1_0.distcp").write_bytes(data)
+    elif damage == "delete":
+        (checkpoint / "__0_0.distcp").unlink()
+    elif damage == "truncate":
+        manifest = (checkpoint / "manifest.json").read_text()
+        (checkpoint / "manifest.json").write_text(manifest[: len(manifest) // 2])
+    elif damage == "model":
+        extra = ["--model", "small"]
+    elif damage == "nan":
+        shutil.rmtree(checkpoint)
+        extra = ["--lr", "1e3", "--grad_clip", "0"]
+    before = snapshot(tmp_path / "out")
+    holder = open(tmp_path / "out" / "lock", "w")  # noqa: SIM115
+    if damage == "lock":
+        import fcntl
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another job holds it
+    try:
+        result = torchrun_in_process(2, TRAIN, *ARGV, *split(2), *extra, cwd=tmp_path, timeout=60)
+    finally:
+        holder.close()
+    assert result.codes[0] == 1 and all(result.codes), result.codes
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.search(re.escape(said).replace(r"\?", "."), errors[0]), result.stderr
+    assert "Traceback" not in result.stderr
+    assert snapshot(tmp_path / "out") == before  # nothing saved over, nothing lost
