@@ -2,6 +2,7 @@
 
     python gpt/bench.py                                  # 1, 2 and 4 ranks of the tiny model on CPUs
     python gpt/bench.py --world_sizes 1 8 -- --model gpt2 --data DIR --seq_len 1024 --precision bf16
+    python gpt/bench.py --world_sizes 2 --save_every 5      # what asynchronous checkpoints cost
 
 Each world size runs train.py under torchrun `--repeats` times with the same per-rank batch (weak
 scaling), in a temporary --out_dir, and reads tokens_per_s from its metrics.jsonl, leaving out the
@@ -22,7 +23,8 @@ import tempfile
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULTS = ["--max_steps", "60", "--log_every", "10", "--eval_every", "1000000", "--val_tokens", "64"]
+DEFAULTS = ["--max_steps", "60", "--log_every", "10", "--eval_every", "1000000", "--val_tokens", "64",
+            "--save_every", "0"]
 
 
 def run(world_size: int, train_args: list[str], threads: int) -> list[float]:
@@ -54,10 +56,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world_sizes", type=int, nargs="+", default=[1, 2, 4], help="ranks per run")
     parser.add_argument("--repeats", type=int, default=3, help="runs per world size")
+    parser.add_argument("--save_every", type=int, help="also run each world size with checkpoints this often, and "
+                                                        "print what the saves cost")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: train.py's own arguments")
     args = parser.parse_args()
-    if any(n < 1 for n in args.world_sizes) or args.repeats < 1:
-        parser.error("--world_sizes and --repeats must be at least 1")
+    if any(n < 1 for n in args.world_sizes) or args.repeats < 1 or (args.save_every or 1) < 1:
+        parser.error("--world_sizes, --repeats and --save_every must be at least 1")
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     cores = os.cpu_count() or 1
     print(f"machine: {machine()}")
@@ -73,6 +77,14 @@ def main() -> None:
         efficiency = f"{median / (world_size * base):.0%}" if base else "-"
         print(f"{world_size:>5} {threads:>7} {median:>18,.0f} {min(runs):>10,.0f} {max(runs):>10,.0f} "
               f"{median / world_size:>10,.0f} {efficiency:>10}", flush=True)
+        if args.save_every:  # the same runs with a checkpoint every N steps, interleaved with plain ones
+            pairs = [(statistics.median(run(world_size, [*train_args, "--save_every", "0"], threads)),
+                      statistics.median(run(world_size, [*train_args, "--save_every", str(args.save_every)], threads)))
+                     for _ in range(args.repeats)]
+            costs = sorted(1 - saving / plain for plain, saving in pairs)
+            print(f"{'':>5} saving every {args.save_every} steps: {statistics.median(s for _, s in pairs):,.0f} "
+                  f"tokens/s, {statistics.median(costs):.1%} slower (min {costs[0]:.1%}, max {costs[-1]:.1%})",
+                  flush=True)
 
 
 if __name__ == "__main__":

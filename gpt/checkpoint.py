@@ -66,6 +66,10 @@ class Checkpoints:
                     raise
                 verdict[1] = (f"no lock on {self.out_dir}: its file system does not support flock "
                               f"({errno.errorcode[error.errno]}); make sure no other job writes there")
+            if verdict == [None, None]:  # ours alone: what a killed job's saves left half-written goes
+                for name in os.listdir(self.out_dir):
+                    if name.endswith(".tmp") and NAME.match(name.removesuffix(".tmp")):
+                        shutil.rmtree(os.path.join(self.out_dir, name))
         dist.broadcast_object_list(verdict, src=0, group=self.group)  # every rank stops alike, or none
         if verdict[0]:
             raise ValueError(verdict[0])
@@ -79,9 +83,6 @@ class Checkpoints:
         time: this waits for the one before."""
         self.wait()
         folder = os.path.join(self.out_dir, f"step_{step:08d}")
-        if self.rank == 0 and os.path.exists(folder + ".tmp"):
-            shutil.rmtree(folder + ".tmp")  # a save cut short by a crash: the lock says it was ours
-        dist.barrier(group=self.group)  # nobody writes into the folder before it is cleared
         future = dcp.async_save(state, checkpoint_id=folder + ".tmp", process_group=self.group)
         self.pending = self.executor.submit(self._commit, future, folder, {"step": step, **extra})
 
@@ -101,6 +102,8 @@ class Checkpoints:
                 json.dump({**extra, "files": files}, file, indent=1)
                 file.flush()
                 os.fsync(file.fileno())
+            if os.path.exists(folder):  # not whole (it would have been resumed from): replaced
+                shutil.rmtree(folder)
             os.replace(tmp, folder)  # the commit: a folder without .tmp is whole
             for old in self.committed()[:-self.keep]:
                 shutil.rmtree(os.path.join(self.out_dir, old))

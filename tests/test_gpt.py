@@ -275,14 +275,17 @@ def test_the_slurm_script_is_valid_bash():
 
 
 def test_bench_prints_each_world_size_and_an_efficiency_recomputable_from_its_figures():
-    result = run([sys.executable, str(REPO / "gpt" / "bench.py"), "--world_sizes", "1", "2", "--repeats", "1", "--",
-                  "--max_steps", "12", "--log_every", "4"], timeout=120)
+    result = run([sys.executable, str(REPO / "gpt" / "bench.py"), "--world_sizes", "1", "2", "--repeats", "1",
+                  "--save_every", "4", "--", "--max_steps", "12", "--log_every", "4"], timeout=180)
     assert result.returncode == 0, result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if re.match(r"\s+\d+\s+\d+\s+[\d,]+", line)]
     assert [row[0] for row in rows] == ["1", "2"]
     one, two = (float(row[2].replace(",", "")) for row in rows)
     assert rows[0][-1] == "100%" and rows[1][-1] == f"{two / (2 * one):.0%}"
-    assert "train.py --max_steps 60 --log_every 10 --eval_every 1000000 --val_tokens 64 --max_steps 12" in result.stdout
+    assert "train.py --max_steps 60 --log_every 10 --eval_every 1000000 --val_tokens 64 --save_every 0 --max_steps 12" \
+        in result.stdout
+    assert len(re.findall(r"^ +saving every 4 steps: [\d,]+ tokens/s, -?[\d.]+% slower \(min", result.stdout,
+                          re.MULTILINE)) == 2
 
 
 def test_compile_trains_what_eager_does():

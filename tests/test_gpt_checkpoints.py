@@ -9,6 +9,7 @@ import re
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -127,7 +128,9 @@ def test_sigterm_saves_the_step_in_flight_and_the_same_command_finishes_the_run(
     torchrun = group.start(command)
     group.wait_for(0, "step 20 |", timeout=60)
     torchrun.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
     group.wait(timeout=40)
+    assert time.monotonic() - signalled < 30  # inside torchrun's shutdown window: no SIGKILL came
     stopped = re.search(r"stopped by SIGTERM after step (\d+): saved (\S+);", group.stdout(0))
     assert stopped, group.stdout(0)[-2000:] + group.stderr(0)[-2000:]
     step = int(stopped[1])
@@ -191,3 +194,28 @@ def test_a_bad_checkpoint_or_run_is_one_line_and_loses_nothing(damage, said, uni
     assert len(errors) == 1 and re.search(re.escape(said).replace(r"\?", "."), errors[0]), result.stderr
     assert "Traceback" not in result.stderr
     assert snapshot(tmp_path / "out") == before  # nothing saved over, nothing lost
+
+
+def test_a_file_system_without_locks_is_said_in_one_line_and_the_job_goes_on(tmp_path):
+    result = torchrun_in_process(2, "gpt_no_flock.py", *ARGV, *split(2), "--max_steps", "4", cwd=tmp_path,
+                                 timeout=60)
+    assert result.codes == [0, 0], result.stderr
+    assert result.stdout.count("no lock on out: its file system does not support flock (ENOLCK); make sure no "
+                               "other job writes there") == 1
+    assert (tmp_path / "out" / "step_00000004" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_after_a_resume_the_optimizer_state_lives_where_a_fresh_runs_does(parallel, uninterrupted, tmp_path):
+    """Adam's `step` on the CPU (unless fused: on the GPU), its moments beside their parameters: a
+    resumed run whose `step` sat on the GPU would sync on it twice per parameter per step
+    (pytorch/pytorch#128208). On a CPU-only machine every device is the CPU, so this shows the
+    path and the dtypes; on a GPU, the devices too."""
+    shutil.copytree(uninterrupted[2] / "out" / "step_00000020", tmp_path / "out" / "step_00000020")
+    result = torchrun_in_process(2, "gpt_optimizer_state.py", *ARGV, *split(2), "--parallel", parallel,
+                                 cwd=tmp_path, timeout=60)
+    assert result.codes == [0, 0], result.stderr
+    report = json.loads(result.stdouts[0].split("[optimizer state] ", 1)[1].splitlines()[0])
+    assert report["resumed"] == report["fresh"]
+    assert {key for entry in report["resumed"] for key in entry} == {"step", "exp_avg", "exp_avg_sq"}
+    assert "resuming from out/step_00000020" in result.stdouts[0]
