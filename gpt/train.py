@@ -297,7 +297,7 @@ class StopRequest:
     process at once."""
 
     def __init__(self) -> None:
-        self.signal = 0
+        self.signal, self.name = 0, None
         self.group = dist.new_group(backend="gloo")  # a CPU flag: no device sync; not the checkpoint thread's group
         self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGTERM, signal.SIGINT)}
 
@@ -381,7 +381,8 @@ def settle_buckets(model: DDP, x: torch.Tensor, autocast) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> torch.nn.Module:
+def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> torch.nn.Module | None:
+    """The trained model, or None if a signal stopped the run before --max_steps (it is saved)."""
     tokens = data.load(args.data, args.vocab_size)
     check_input(args, tokens, rank, world_size, device)
     checkpoints = Checkpoints(args.out_dir, rank, world_size, args.keep, args.timeout or 1800.0)
@@ -392,7 +393,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
 
 
 def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Checkpoints, rank: int,
-                world_size: int, device: torch.device) -> torch.nn.Module:
+                world_size: int, device: torch.device) -> torch.nn.Module | None:
     no_lock = checkpoints.lock()
     config = GPTConfig(vocab_size=tokens.vocab_size, seq_len=args.seq_len, **CONFIGS[args.model])
     model = build(args, config, world_size, device)
@@ -501,7 +502,7 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
                 if rank == 0:
                     print(f"stopped by {stop.name} after step {step + 1}: saved {checkpoints.committed()[-1]}; "
                           "the same command resumes", flush=True)
-                break
+                return None  # not the model --export asks for: that is the one at --max_steps
             if steps_since_log == 0:
                 started = time.perf_counter()
         checkpoints.wait()
@@ -510,6 +511,7 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
         if metrics:
             metrics.close()
     return model
+
 
 def export_model(model: torch.nn.Module, path: str, rank: int) -> None:
     """The whole model as a plain state_dict on rank 0. Under FSDP every rank must take part: the
@@ -531,7 +533,7 @@ def train_and_export(args: argparse.Namespace, rank: int, world_size: int, devic
     """The model is a local here, freed on return: a DDP wrapper still alive at destroy_process_group()
     keeps gloo's threads running (docs/pitfalls.md)."""
     model = train(args, rank, world_size, device)
-    if args.export:
+    if model is not None and args.export:
         export_model(model, args.export, rank)
         if rank == 0:
             print(f"exported to {args.export}", flush=True)

@@ -136,6 +136,7 @@ def test_sigterm_saves_the_step_in_flight_and_the_same_command_finishes_the_run(
     step = int(stopped[1])
     last_logged = max(int(s) for s in re.findall(r"^step (\d+) \| loss", group.stdout(0), re.MULTILINE))
     assert step == last_logged >= 20 and stopped[2].endswith(f"step_{step:08d}")  # the step in flight, saved
+    assert not (tmp_path / "model.pt").exists()  # --export is for the model at --max_steps
     rerun = run(command, timeout=120)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"step {step} of 400" in rerun.stdout
