@@ -39,6 +39,27 @@ def sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+def remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+def check_manifest(manifest: dict, step: int) -> None:
+    """A ValueError unless the manifest has the fields and types that save() writes."""
+    fields = {"step": int, "config": dict, "run": dict, "files": dict}
+    for name, kind in fields.items():
+        if not isinstance(manifest.get(name), kind):
+            raise ValueError(f"its field {name!r} is missing or not a {kind.__name__}")
+    if manifest["step"] != step or "scaler" not in manifest:
+        raise ValueError(f"it says step {manifest['step']!r} in the folder of step {step}, or has no 'scaler'")
+    for name, entry in manifest["files"].items():
+        if os.path.basename(name) != name or not isinstance(entry, dict) or not isinstance(entry.get("size"), int) \
+                or not isinstance(entry.get("sha256"), str):
+            raise ValueError(f"its entry for {name!r} is not a file name with a size and a sha256")
+
+
 class Checkpoints:
     def __init__(self, out_dir: str, rank: int, world_size: int, keep: int, timeout: float) -> None:
         self.out_dir, self.rank, self.world_size, self.keep = out_dir, rank, world_size, keep
@@ -69,7 +90,7 @@ class Checkpoints:
             if verdict == [None, None]:  # ours alone: what a killed job's saves left half-written goes
                 for name in os.listdir(self.out_dir):
                     if name.endswith(".tmp") and NAME.match(name.removesuffix(".tmp")):
-                        shutil.rmtree(os.path.join(self.out_dir, name))
+                        remove(os.path.join(self.out_dir, name))
         dist.broadcast_object_list(verdict, src=0, group=self.group)  # every rank stops alike, or none
         if verdict[0]:
             raise ValueError(verdict[0])
@@ -102,11 +123,9 @@ class Checkpoints:
                 json.dump({**extra, "files": files}, file, indent=1)
                 file.flush()
                 os.fsync(file.fileno())
-            if os.path.exists(folder):  # not whole (it would have been resumed from): replaced
-                shutil.rmtree(folder)
             os.replace(tmp, folder)  # the commit: a folder without .tmp is whole
             for old in self.committed()[:-self.keep]:
-                shutil.rmtree(os.path.join(self.out_dir, old))
+                remove(os.path.join(self.out_dir, old))
         dist.barrier(group=self.group)
 
     def wait(self) -> None:
@@ -118,9 +137,10 @@ class Checkpoints:
     # -- loading ---------------------------------------------------------------------------------
 
     def committed(self) -> list[str]:
-        """The whole checkpoints' folder names, oldest first."""
+        """The checkpoints' folder names, oldest first: whole, unless something outside this job
+        damaged one (newest() checks before a load)."""
         names = os.listdir(self.out_dir) if os.path.isdir(self.out_dir) else []
-        return sorted(n for n in names if NAME.match(n) and os.path.isfile(os.path.join(self.out_dir, n, MANIFEST)))
+        return sorted(n for n in names if NAME.match(n))
 
     def newest(self) -> tuple[str, dict] | None:
         """(folder, manifest) of the newest whole checkpoint, or None. Every rank agrees on which
@@ -133,6 +153,7 @@ class Checkpoints:
         try:
             with open(os.path.join(folder, MANIFEST)) as file:
                 manifest = json.load(file)
+            check_manifest(manifest, int(NAME.match(newest[0])[1]))
             files = sorted(manifest["files"])
             problems += [f"{name} is not in its manifest" for name in sorted(set(os.listdir(folder)) - {MANIFEST}
                                                                               - set(files))][:1]

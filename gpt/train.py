@@ -41,9 +41,11 @@ import data
 from checkpoint import Checkpoints
 from model import CONFIGS, GPT, GPTConfig, export
 
+# This process's launcher, as soon as this file runs (after the imports, about 1.5 s in): see setup().
+PARENT_AT_START = os.getppid()
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # What a checkpoint records of the run that wrote it; a resume with other values says so in one line.
-RUN = ("max_steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "seed", "batch_size",
+RUN = ("data", "max_steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "seed", "batch_size",
        "grad_accum", "parallel", "precision")
 # Dense bf16 tensor-core peak per GPU in TFLOP/s (NVIDIA's datasheets); TF32 is half of it.
 PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
@@ -74,7 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log_every", type=int, default=10, help="steps per log line (1: every step)")
     p.add_argument("--eval_every", type=int, default=100, help="steps between evaluations (and at the end)")
     p.add_argument("--val_tokens", type=int, default=32768, help="tokens in the validation set")
-    p.add_argument("--out_dir", default="out", help="where metrics.jsonl goes")
+    p.add_argument("--out_dir", default="out", help="metrics.jsonl and checkpoints; a run resumes from the "
+                                                    "newest checkpoint here")
     p.add_argument("--save_every", type=int, default=100, help="steps between checkpoints in OUT_DIR (0: only at "
                                                                "the end)")
     p.add_argument("--keep", type=int, default=2, help="checkpoints kept; older ones are deleted")
@@ -125,6 +128,8 @@ def setup(args: argparse.Namespace) -> tuple[int, int, int, torch.device]:
         # workers training (and rank 0 holding OUT_DIR's lock). Linux sends this signal when it dies,
         # which stops the job as a preemption does: every rank saves the step in flight.
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != PARENT_AT_START:  # torchrun died before the request: no signal will come
+            os.kill(os.getpid(), signal.SIGTERM)
     dist.init_process_group(backend, **init, **timeout)
     return rank, local_rank, world_size, device
 
@@ -278,6 +283,8 @@ def check_input(args: argparse.Namespace, tokens: data.Tokens, rank: int, world_
         try:
             os.makedirs(args.out_dir, exist_ok=True)
             open(os.path.join(args.out_dir, "metrics.jsonl"), "a").close()
+            open(os.path.join(args.out_dir, "metrics.jsonl.tmp"), "w").close()  # the folder takes new files
+            os.remove(os.path.join(args.out_dir, "metrics.jsonl.tmp"))
             if args.export:
                 if os.path.isdir(args.export):
                     raise IsADirectoryError(21, "is a folder", args.export)
@@ -293,25 +300,24 @@ def check_input(args: argparse.Namespace, tokens: data.Tokens, rank: int, world_
 class StopRequest:
     """SIGTERM (a preemption: Slurm and Kubernetes send it first, and torchrun passes it on to its
     workers, then kills them 30 s later) or SIGINT, noted by a handler and agreed by every rank at a
-    step boundary, so that all stop after the same step and save it. A second signal ends the
-    process at once."""
+    step boundary, so that all stop after the same step and save it. A worker often gets the signal
+    twice (from Slurm and from torchrun; Linux's parent-death signal once per re-parenting): the
+    second changes nothing. `kill -9` is the way to stop without saving."""
 
     def __init__(self) -> None:
-        self.signal, self.name = 0, None
+        self.signal, self.number, self.name = 0, 0, None
         self.group = dist.new_group(backend="gloo")  # a CPU flag: no device sync; not the checkpoint thread's group
         self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def handle(self, signum: int, frame) -> None:
-        if self.signal:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-        self.signal = signum
+        self.signal = self.signal or signum
 
     def agreed(self) -> bool:
         flag = torch.tensor([self.signal], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)  # any rank's signal stops all
-        self.name = signal.Signals(int(flag)).name if int(flag) else None
-        return bool(int(flag))
+        self.number = int(flag)
+        self.name = signal.Signals(self.number).name if self.number else None
+        return bool(self.number)
 
     def restore(self) -> None:
         for sig, handler in self.previous.items():
@@ -350,6 +356,8 @@ def resume(args: argparse.Namespace, checkpoints: Checkpoints, model: torch.nn.M
     if found is None:
         return 0
     folder, manifest = found
+    if manifest["step"] > args.max_steps:
+        raise ValueError(f"checkpoint {folder} is at step {manifest['step']}, beyond --max_steps {args.max_steps}")
     if manifest.get("config") != asdict(config):
         raise ValueError(f"checkpoint {folder} is of another model ({manifest.get('config')}), not {asdict(config)}: "
                          "give another --out_dir, or the --model, --seq_len and data it was trained with")
@@ -361,7 +369,9 @@ def resume(args: argparse.Namespace, checkpoints: Checkpoints, model: torch.nn.M
         scaler.load_state_dict(manifest["scaler"])
     if rank == 0:
         print(f"resuming from {folder}: step {manifest['step']} of {args.max_steps}", flush=True)
-        run = {**{f"--{name}": getattr(args, name) for name in RUN}, "ranks": dist.get_world_size()}
+        world_size = dist.get_world_size()
+        run = {**{f"--{name}": getattr(args, name) for name in RUN}, "ranks": world_size,
+               "global batch": args.batch_size * args.grad_accum * world_size}
         changed = [f"{name} {value} (was {manifest['run'].get(name)})" for name, value in run.items()
                    if manifest["run"].get(name) != value]
         if changed:
@@ -381,8 +391,9 @@ def settle_buckets(model: DDP, x: torch.Tensor, autocast) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> torch.nn.Module | None:
-    """The trained model, or None if a signal stopped the run before --max_steps (it is saved)."""
+def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> torch.nn.Module | int:
+    """The trained model, or the number of the signal that stopped the run before --max_steps (it
+    is saved)."""
     tokens = data.load(args.data, args.vocab_size)
     check_input(args, tokens, rank, world_size, device)
     checkpoints = Checkpoints(args.out_dir, rank, world_size, args.keep, args.timeout or 1800.0)
@@ -393,7 +404,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
 
 
 def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Checkpoints, rank: int,
-                world_size: int, device: torch.device) -> torch.nn.Module | None:
+                world_size: int, device: torch.device) -> torch.nn.Module | int:
     no_lock = checkpoints.lock()
     config = GPTConfig(vocab_size=tokens.vocab_size, seq_len=args.seq_len, **CONFIGS[args.model])
     model = build(args, config, world_size, device)
@@ -432,7 +443,8 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
             metrics.write(json.dumps(record) + "\n")
 
     def save(step: int) -> None:
-        extra = {"config": asdict(config), "run": {**{f"--{n}": getattr(args, n) for n in RUN}, "ranks": world_size},
+        extra = {"config": asdict(config), "run": {**{f"--{n}": getattr(args, n) for n in RUN}, "ranks": world_size,
+                                                   "global batch": global_batch},
                  "scaler": scaler.state_dict() if scaler.is_enabled() else None}
         model_state, optim_state = get_state_dict(model, optimizer)
         checkpoints.save({"model": model_state, "optim": optim_state}, step, extra)
@@ -469,7 +481,8 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
                 loss = loss_sum.item() / (world_size * steps_since_log)  # the one host sync of the interval
                 elapsed = time.perf_counter() - started
                 tokens_per_s = steps_since_log * global_batch * args.seq_len / elapsed
-                if not (math.isfinite(loss) and math.isfinite(grad_norm.item())):
+                # fp16: an infinite gradient is the scaler's to handle (it skips the step, lowers the scale)
+                if not (math.isfinite(loss) and (scaler.is_enabled() or math.isfinite(grad_norm.item()))):
                     # The same all-reduced loss and global norm on every rank: all stop here, and
                     # nothing is saved over the last good checkpoint.
                     last = checkpoints.committed()
@@ -500,9 +513,10 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
             if stopping:
                 checkpoints.wait()  # inside torchrun's shutdown window (30 s), then out
                 if rank == 0:
-                    print(f"stopped by {stop.name} after step {step + 1}: saved {checkpoints.committed()[-1]}; "
-                          "the same command resumes", flush=True)
-                return None  # not the model --export asks for: that is the one at --max_steps
+                    print(f"stopped by {stop.name} after step {step + 1}: saved "
+                          f"{os.path.join(args.out_dir, checkpoints.committed()[-1])}; the same command resumes",
+                          flush=True)
+                return stop.number  # no model: --export asks for the one at --max_steps
             if steps_since_log == 0:
                 started = time.perf_counter()
         checkpoints.wait()
@@ -529,27 +543,32 @@ def export_model(model: torch.nn.Module, path: str, rank: int) -> None:
         export(path, gpt.config, state)
 
 
-def train_and_export(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> None:
-    """The model is a local here, freed on return: a DDP wrapper still alive at destroy_process_group()
-    keeps gloo's threads running (docs/pitfalls.md)."""
+def train_and_export(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> int:
+    """0, or 128 + the signal that stopped the run: not done, so no launcher or scheduler takes it
+    for a success. The model is a local here, freed on return: a DDP wrapper still alive at
+    destroy_process_group() keeps gloo's threads running (docs/pitfalls.md)."""
     model = train(args, rank, world_size, device)
-    if model is not None and args.export:
+    if isinstance(model, int):
+        return 128 + model
+    if args.export:
         export_model(model, args.export, rank)
         if rank == 0:
             print(f"exported to {args.export}", flush=True)
+    return 0
 
 
 def main() -> None:
     args = parse_args()
     rank, _, world_size, device = setup(args)
     try:
-        train_and_export(args, rank, world_size, device)
+        code = train_and_export(args, rank, world_size, device)
     except ValueError as error:  # bad input, found alike by every rank before any step: one line
         if rank == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(1)
     finally:
         dist.destroy_process_group()
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ worker under torchrun --max-restarts, SIGTERM, and bad checkpoints, each with on
 Launches whose point is the launcher (restarts, signals) run torchrun whole; the rest run each
 rank's main() in the harness (tests/harness.torchrun_in_process), as tests/test_gpt.py does."""
 import json
+import os
 import random
 import re
 import shutil
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from harness import torchrun_in_process
-from launch import REPO, TORCHRUN, Group, run
+from launch import REPO, TORCHRUN, Group, descendants, run
 
 sys.path.insert(0, str(REPO))
 from gpt.model import GPT  # noqa: E402
@@ -117,17 +118,22 @@ def test_a_worker_killed_at_a_random_step_costs_nothing(uninterrupted, tmp_path)
     assert [r["step"] for r in logged] == list(range(1, 25))
 
 
-def test_sigterm_saves_the_step_in_flight_and_the_same_command_finishes_the_run(tmp_path):
-    """SIGTERM to torchrun (what Slurm and Kubernetes send before a preemption), mid-run: every rank
-    stops after the same step, saves it, and exits within torchrun's 30 s. The same command resumes
-    from that step, not an older one, and ends with the weights of a run that nothing stopped."""
+@pytest.mark.parametrize("to", ["all", "one worker"])
+def test_sigterm_saves_the_step_in_flight_and_the_same_command_finishes_the_run(to, tmp_path):
+    """SIGTERM mid-run to torchrun and to every worker, as Slurm sends it before a preemption (so
+    each worker gets it twice: torchrun passes its own on), or to one worker alone (the others learn
+    of it at the next step's agreement): every rank stops after the same step, saves it, and exits
+    within torchrun's 30 s. The same command resumes from that step, not an older one, and ends with
+    the weights of a run that nothing stopped."""
     argv = [*ARGV, *split(2), "--max_steps", "400", "--save_every", "1000"]
     command = [TORCHRUN, "--standalone", "--nproc-per-node", "2", TRAIN, *argv, "--out_dir", str(tmp_path / "out"),
                "--export", str(tmp_path / "model.pt")]
     group = Group(tmp_path)
     torchrun = group.start(command)
     group.wait_for(0, "step 20 |", timeout=60)
-    torchrun.send_signal(signal.SIGTERM)
+    workers = sorted(descendants(torchrun.pid))  # torchrun starts the workers in rank order
+    for pid in [torchrun.pid, *workers] if to == "all" else workers[-1:]:
+        os.kill(pid, signal.SIGTERM)
     signalled = time.monotonic()
     group.wait(timeout=40)
     assert time.monotonic() - signalled < 30  # inside torchrun's shutdown window: no SIGKILL came
@@ -155,6 +161,8 @@ def snapshot(folder: Path) -> dict[str, bytes]:
     ("flip", "checkpoint out/step_00000024: __1_0.distcp is damaged: its size or sha256 is not the manifest's"),
     ("delete", "checkpoint out/step_00000024: __0_0.distcp is missing"),
     ("truncate", "checkpoint out/step_00000024: its manifest.json cannot be read (JSONDecodeError"),
+    ("no manifest", "checkpoint out/step_00000024: its manifest.json cannot be read (FileNotFoundError"),
+    ("step as text", "checkpoint out/step_00000024: its manifest.json cannot be read (ValueError: its field 'step'"),
     ("model", "checkpoint out/step_00000024 is of another model"),
     ("lock", "out is in use by another job (it holds out/lock)"),
     ("nan", "is not finite at step 2?: stopped without saving; the last checkpoint, step_00000020, is untouched"),
@@ -176,6 +184,11 @@ def test_a_bad_checkpoint_or_run_is_one_line_and_loses_nothing(damage, said, uni
     elif damage == "truncate":
         manifest = (checkpoint / "manifest.json").read_text()
         (checkpoint / "manifest.json").write_text(manifest[: len(manifest) // 2])
+    elif damage == "no manifest":
+        (checkpoint / "manifest.json").unlink()
+    elif damage == "step as text":
+        manifest = json.loads((checkpoint / "manifest.json").read_text())
+        (checkpoint / "manifest.json").write_text(json.dumps({**manifest, "step": "24"}))
     elif damage == "model":
         extra = ["--model", "small"]
     elif damage == "nan":
