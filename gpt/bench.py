@@ -3,6 +3,7 @@
     python gpt/bench.py                                  # 1, 2 and 4 ranks of the tiny model on CPUs
     python gpt/bench.py --world_sizes 1 8 -- --model gpt2 --data DIR --seq_len 1024 --precision bf16
     python gpt/bench.py --world_sizes 2 --save_every 5      # what asynchronous checkpoints cost
+    python gpt/bench.py --world_sizes 1 --resume            # a resumed run against a fresh one
 
 Each world size runs train.py under torchrun `--repeats` times with the same per-rank batch (weak
 scaling), in a temporary --out_dir, and reads tokens_per_s from its metrics.jsonl, leaving out the
@@ -27,9 +28,12 @@ DEFAULTS = ["--max_steps", "60", "--log_every", "10", "--eval_every", "1000000",
             "--save_every", "0"]
 
 
-def run(world_size: int, train_args: list[str], threads: int) -> list[float]:
-    """tokens_per_s of each log interval of one run but the first."""
-    with tempfile.TemporaryDirectory() as out_dir:
+def run(world_size: int, train_args: list[str], threads: int, out_dir: str | None = None,
+        after: int = 0) -> list[float]:
+    """tokens_per_s of each log interval past step `after` but the first (start-up, first steps), of
+    one run in `out_dir` (a fresh folder if None)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        out_dir = out_dir or scratch
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                    str(world_size), os.path.join(HERE, "train.py"), *DEFAULTS, *train_args, "--out_dir", out_dir]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -38,7 +42,7 @@ def run(world_size: int, train_args: list[str], threads: int) -> list[float]:
             raise SystemExit(f"error: {world_size} ranks failed:\n{result.stderr[-2000:]}")
         with open(os.path.join(out_dir, "metrics.jsonl")) as file:
             records = [json.loads(line) for line in file]
-    figures = [r["tokens_per_s"] for r in records if "tokens_per_s" in r][1:]
+    figures = [r["tokens_per_s"] for r in records if "tokens_per_s" in r and r["step"] > after][1:]
     if not figures:
         raise SystemExit("error: fewer than two log intervals: raise --max_steps or lower --log_every")
     return figures
@@ -58,6 +62,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per world size")
     parser.add_argument("--save_every", type=int, help="also run each world size with checkpoints this often, and "
                                                         "print what the saves cost")
+    parser.add_argument("--resume", action="store_true", help="also compare a run resumed at step 60 with the same "
+                                                              "steps of a fresh run")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: train.py's own arguments")
     args = parser.parse_args()
     if any(n < 1 for n in args.world_sizes) or args.repeats < 1 or (args.save_every or 1) < 1:
@@ -85,6 +91,16 @@ def main() -> None:
             print(f"{'':>5} saving every {args.save_every} steps: {statistics.median(s for _, s in pairs):,.0f} "
                   f"tokens/s against {statistics.median(p for p, _ in pairs):,.0f} in the runs beside them, "
                   f"{statistics.median(costs):.1%} slower (min {costs[0]:.1%}, max {costs[-1]:.1%})", flush=True)
+        if args.resume:  # steps 61 to 120 after a resume from step 60, and in a run that never stopped
+            pairs = []
+            for _ in range(args.repeats):
+                with tempfile.TemporaryDirectory() as out_dir:
+                    run(world_size, [*train_args, "--max_steps", "60"], threads, out_dir)
+                    resumed = run(world_size, [*train_args, "--max_steps", "120"], threads, out_dir, after=60)
+                fresh = run(world_size, [*train_args, "--max_steps", "120"], threads, after=60)
+                pairs.append((statistics.median(resumed), statistics.median(fresh)))
+            print(f"{'':>5} resumed at step 60: {statistics.median(r for r, _ in pairs):,.0f} tokens/s against "
+                  f"{statistics.median(f for _, f in pairs):,.0f} for the same steps of a fresh run", flush=True)
 
 
 if __name__ == "__main__":

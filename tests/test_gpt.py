@@ -343,3 +343,11 @@ def test_evaluation_counts_each_window_once_when_a_rank_has_none_left():
     with torch.no_grad():
         expected = torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).item()
     assert records[-1]["val_loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_bench_compares_a_resumed_run_with_a_fresh_one():
+    result = run([sys.executable, str(REPO / "gpt" / "bench.py"), "--world_sizes", "1", "--repeats", "1", "--resume",
+                  "--", "--log_every", "20"], timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^ +resumed at step 60: [\d,]+ tokens/s against [\d,]+ for the same steps of a fresh run$",
+                     result.stdout, re.MULTILINE), result.stdout
