@@ -349,8 +349,8 @@ def resume(args: argparse.Namespace, checkpoints: Checkpoints, model: torch.nn.M
 
     Any world size or --parallel resumes (DCP reshards); another model config is refused. A changed
     schedule, --max_steps or seed is the user's choice: said in one line. The optimizer's state is
-    created where a fresh run creates it (get_state_dict makes it with a zero step, on the
-    parameters' devices, `step` on the CPU unless fused) and the saved values are copied into it:
+    created where a fresh run creates it (get_state_dict takes one step of zero gradients at lr 0:
+    moments beside the parameters, `step` on the CPU unless fused) and the saved values are copied in:
     never Adam's `step` moved to the GPU, where every later step would sync on it (pytorch#128208)."""
     found = checkpoints.newest()
     if found is None:
