@@ -96,11 +96,11 @@ def train(args: argparse.Namespace) -> torch.nn.Module:
         train_totals = train_one_epoch(model, train_loader, optimizer)
         val_totals = evaluate(model, val_loader)
         train_loss, val_loss = epoch_means(train_totals, val_totals)
-        print(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}", flush=True)
         if args.checkpoint:
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1}
             torch.save(state, args.checkpoint + ".tmp")  # a kill mid-write leaves the old file whole
             os.replace(args.checkpoint + ".tmp", args.checkpoint)
+        print(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}", flush=True)  # once saved
     if start_epoch < args.max_epochs:
         print(f"done | val_loss:{val_loss:.6f} floor:{LOSS_FLOOR:.6f} ({val_loss / LOSS_FLOOR:.3f} × floor)")
     return model

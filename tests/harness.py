@@ -11,8 +11,7 @@ every test. The server is started once per test session, before any process grou
 runs no threads of torch's, so forking it is safe. Two things follow from the fork. The workers
 see the environment that the test process had when the server started (at the first call), and
 torch.distributed has read TORCH_DISTRIBUTED_DEBUG by then: a test that needs other variables in
-its workers runs the script whole. And common.PARENT_AT_START is the test process in a worker, so
-a worker must not call common.exit_promptly_on_signals (train() does not; main() does).
+its workers runs the script whole.
 """
 import importlib
 import multiprocessing
@@ -29,12 +28,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-# Before any process group exists, as in every script: common imports torch.distributed.nn, whose
-# defaults would otherwise hold the group into interpreter shutdown, where gloo can abort (SIGABRT).
-import common
+# Before any process group exists, as in singlenode_cpu.py: imported later (an optimizer's first step
+# imports it), its defaults would hold the group into interpreter shutdown, where gloo can abort.
+import torch.distributed.nn  # noqa: F401, I001
 
-# common first: it imports torch.distributed.nn before any process group (see common).
-PRELOAD = ["common", "torch", "torch._dynamo", "torch.distributed", "workers"]
+PRELOAD = ["torch", "torch.distributed.nn", "torch._dynamo", "torch.distributed", "workers"]
 
 
 def _end_with(test_process: int) -> None:
@@ -67,7 +65,9 @@ def _worker(fn: Callable, rank: int, world_size: int, folder: str, timeout: floa
         dist.barrier()  # no rank tears its connections down while a peer still uses them
     finally:
         dist.destroy_process_group()
-    common.exit_now()  # as the scripts end: the interpreter's teardown of torch is a second of CPU
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skips the interpreter's teardown of torch: a second of CPU per worker
 
 
 def _read(folder: str, name: str) -> str:
@@ -155,9 +155,8 @@ def _main_worker(script: str, argv: list[str], env: dict[str, str], cwd: str, fo
     if folder:  # gpt/train.py: as python runs it, its folder first on sys.path, and the root's
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / folder))
         for sibling in Path(sys.path[0]).glob("*.py"):  # model.py and data.py, which the server
-            sys.modules.pop(sibling.stem, None)  # preloaded with common, forgotten for the folder's own
+            sys.modules.pop(sibling.stem, None)  # preloaded, forgotten for the folder's own
     module = importlib.import_module(name)
-    common.PARENT_AT_START = os.getppid()  # this worker's launcher: the forkserver
     os.chdir(cwd)
     sys.argv = [script, *argv]
     code = 0

@@ -1,25 +1,28 @@
-"""Two hosts on one machine: Linux network namespaces joined by a veth pair, each running a
-torchrun agent with 2 workers, gloo between them over the veth. Without root (no namespaces),
+"""gpt/train.py on two hosts on one machine: Linux network namespaces joined by a veth pair, each
+running a torchrun agent with 2 workers, gloo between them over the veth. Without root (no namespaces),
 the same two agents share 127.0.0.1 instead."""
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 import uuid
 
 import pytest
-import torch
-from conftest import ARGV
-from launch import REPO, TORCHRUN, Group, epoch_losses
+from launch import REPO, TORCHRUN, Group
+from test_gpt_checkpoints import ARGV, TRAIN, assert_bitwise, launch, split
 
-import common
-
-ARGV = [*ARGV, "--timeout", "5"]
 INJECT = {"PYTHONPATH": str(REPO / "tests" / "inject")}
-# On several nodes torchrun's shared store cannot keep restarts apart, and the scripts refuse
-# --max-restarts without this (see common.torchrun_store).
+# On several nodes torchrun's shared store cannot keep restarts apart (the agents do not agree on the
+# attempt's number), and gpt/train.py refuses --max-restarts there without this, as gpt/train.sbatch sets.
 RESTARTABLE_ON_SEVERAL_NODES = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 class TwoHosts:
@@ -87,46 +90,43 @@ def hosts():
         two.destroy()
 
 
-def test_two_hosts_restart_after_a_killed_worker_and_train_what_one_host_trains(hosts, ddp_runs, tmp_path):
-    """docs/several_nodes.md's command for several nodes: a worker on the second host dies in epoch 1, both
-    agents restart their workers, and the job ends with the weights of one host with 4 workers."""
+def test_two_hosts_restart_after_a_killed_worker_and_train_what_one_host_trains(hosts, tmp_path):
+    """gpt/train.sbatch's launch on two nodes: a worker on the second host dies at step 10, both agents
+    restart their workers, and the job ends with the weights of one host with 4 workers, bit for bit."""
     if not hosts.netns:
         print("no network namespaces here (needs root and iproute2): both agents on 127.0.0.1")
-    checkpoint = tmp_path / "ckpt.pt"  # a folder both hosts see, as a shared file system would be
-    port = common.free_port()
+    reference = tmp_path / "one_host"
+    reference.mkdir()
+    assert launch(4, reference).codes == [0] * 4
+    port = free_port()
     group = Group(tmp_path)
     for host in range(2):
-        kill = {"KILL_LOCAL_RANK": "1", "KILL_AT": "step:15"} if host == 1 else {}  # epoch 1's 6th step
+        kill = {"KILL_LOCAL_RANK": "1", "KILL_AT": "step:10"} if host == 1 else {}
         group.start(hosts.command(host, [
             TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.addresses[0]}:{port}", "--rdzv-id", "test-job",
             # The namespaces share one hostname, so say which agent hosts the rendezvous store and
             # which address each one is reachable at (real machines work these out themselves).
             "--rdzv-conf", f"is_host={int(host == 0)}", "--local-addr", hosts.addresses[host],
-            "singlenode_cpu.py", *ARGV, "--checkpoint", str(checkpoint),
+            TRAIN, *ARGV, *split(4), "--out_dir", str(tmp_path / "out"), "--export", str(tmp_path / "model.pt"),
         ]), env={**RESTARTABLE_ON_SEVERAL_NODES, **INJECT, **kill})
-    codes = group.wait(timeout=120)
+    codes = group.wait(timeout=180)
     assert codes == [0, 0], group.stderr(0) + group.stderr(1)
     assert "[inject] SIGKILL rank" in group.stdout(1)
-    output = group.stdout(0) + group.stdout(1)
-    assert "resuming from" in output
-    assert sorted(epoch_losses(output)) == [0, 1, 2]  # each epoch printed once, whichever host has rank 0
-    one_host, _ = ddp_runs[4]
-    saved = torch.load(checkpoint, weights_only=True)["model"]
-    for name, tensor in one_host[0].items():
-        assert torch.equal(saved[name], tensor), name
+    assert "resuming from" in group.stdout(0) + group.stdout(1)
+    assert_bitwise(tmp_path / "model.pt", reference / "model.pt")
 
 
 def test_losing_a_host_stops_the_other_within_the_timeout(hosts, tmp_path):
-    port = common.free_port()
+    port = free_port()
     group = Group(tmp_path)
     for host in range(2):
         group.start(hosts.command(host, [
             TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(host),
             "--master-addr", hosts.addresses[0], "--master-port", str(port),
-            "singlenode_cpu.py", *ARGV, "--max_epochs", "1000",
+            TRAIN, *ARGV, *split(4), "--max_steps", "100000", "--timeout", "5", "--out_dir", str(tmp_path / "out"),
         ]))
-    group.wait_for(0, "epoch 0 |", timeout=90)  # global rank 0 runs on node 0
+    group.wait_for(0, "step 2 ", timeout=90)  # global rank 0 runs on node 0
     hosts.vanish(1, group)
     lost = time.monotonic()
     group.procs[0].wait(timeout=5 + 30)

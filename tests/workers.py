@@ -9,7 +9,7 @@ def train_script(rank: int, world_size: int, script: str, argv: list[str]) -> di
     module = __import__(script)
     sys.argv = [f"{script}.py", *argv]
     args = module.parse_args()
-    model = module.train(args, rank, rank, world_size, torch.device("cpu"))
+    model = module.train(args, rank, world_size)
     return model.state_dict()
 
 
