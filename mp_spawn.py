@@ -11,7 +11,7 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  imported after init_process_group, it keeps the group alive at exit
+import torch.distributed.nn  # noqa: F401  now: imported after init_process_group, its defaults hold the group at exit
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
