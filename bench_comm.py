@@ -21,8 +21,6 @@ Explained in docs/benchmarks.md.
 """
 import argparse
 import json
-import os
-import platform
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -30,13 +28,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import common
+import benchtools
+from benchtools import die, print_line
 from comm_collectives import ring_all_reduce
 
 OPERATIONS = ("all_reduce", "ring_all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
           "bfloat16": torch.bfloat16, "int32": torch.int32, "int64": torch.int64}
 UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+COUNT = benchtools.number_in(1, 10_000, int)  # iterations or rounds: more would run for days
 
 
 def size_in_bytes(text: str) -> int:
@@ -63,11 +63,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-bytes", type=size_in_bytes, default=size_in_bytes("64M"), help="largest size")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="element type")
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations per operation and size")
-    parser.add_argument("--iters", type=common.positive_int, default=5, help="timed iterations per round")
-    parser.add_argument("--rounds", type=common.positive_int, default=4,
+    parser.add_argument("--iters", type=COUNT, default=5, help="timed iterations per round")
+    parser.add_argument("--rounds", type=COUNT, default=4,
                         help="rounds per size, each timing every operation once in turn")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
-    parser.add_argument("--timeout", type=common.timeout_seconds, default=300.0,
+    parser.add_argument("--timeout", type=benchtools.timeout_seconds, default=300.0,
                         help="seconds a collective waits for a peer before the process group gives up")
     args = parser.parse_args()
     if args.min_bytes > args.max_bytes:
@@ -154,8 +154,7 @@ def timed(run: Callable[[], object], iterations: int, device: torch.device) -> f
     start = time.perf_counter()
     for _ in range(iterations):
         run()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    benchtools.finish(device)
     return time.perf_counter() - start
 
 
@@ -196,50 +195,32 @@ def measure(args: argparse.Namespace, size: int, rank: int, world_size: int, dev
     return rows
 
 
-def machine(device: torch.device) -> str:
-    """Cores and CPU model (or GPU), and the torch version: a figure means little without them."""
-    model = platform.processor() or platform.machine()
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as cpuinfo:
-            names = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
-        model = names[0] if names else model
-    text = f"{model}, {os.cpu_count()} cores, torch {torch.__version__}"
-    return f"{torch.cuda.get_device_name(device)}, {text}" if device.type == "cuda" else text
-
-
 def print_table(args: argparse.Namespace, world_size: int, description: str, rows: list[dict]) -> None:
-    common.print_line(f"# bench_comm.py: {args.backend}, {world_size} ranks, {args.dtype}, {args.rounds} rounds × "
-                      f"{args.iters} timed iterations ({args.warmup} warm-up) per operation and size")
-    common.print_line(f"# {description}")
-    common.print_line(f"# {'size (B)':>10} {'count':>10}  {'operation':<16} {'time (us)':>11} {'algbw (GB/s)':>12} "
-                      f"{'busbw (GB/s)':>12} {'wrong':>5}  vs all_reduce")
+    print_line(f"# bench_comm.py: {args.backend}, {world_size} ranks, {args.dtype}, {args.rounds} rounds × "
+               f"{args.iters} timed iterations ({args.warmup} warm-up) per operation and size")
+    print_line(f"# {description}")
+    print_line(f"# {'size (B)':>10} {'count':>10}  {'operation':<16} {'time (us)':>11} {'algbw (GB/s)':>12} "
+               f"{'busbw (GB/s)':>12} {'wrong':>5}  vs all_reduce")
     for row in rows:
         ratio = f"{row['vs_all_reduce']:.3f}" if "vs_all_reduce" in row else ""
-        common.print_line(f"  {row['bytes']:>10} {row['count']:>10}  {row['operation']:<16} {row['time_us']:>11.1f} "
-                          f"{row['algbw_GBps']:>12.3f} {row['busbw_GBps']:>12.3f} {row['wrong']:>5}  {ratio}".rstrip())
+        print_line(f"  {row['bytes']:>10} {row['count']:>10}  {row['operation']:<16} {row['time_us']:>11.1f} "
+                   f"{row['algbw_GBps']:>12.3f} {row['busbw_GBps']:>12.3f} {row['wrong']:>5}  {ratio}".rstrip())
 
 
 def main() -> None:
     args = parse_args()
-    launched = common.launcher_env()  # None without a launcher; one line if its variables are incomplete
+    launched = benchtools.launcher_env()  # None without a launcher
     if launched is None:
-        common.die("start this script with torchrun, e.g. torchrun --standalone --nproc-per-node 4 bench_comm.py")
-    rank, local_rank, world_size = launched
-    if args.backend == "nccl":
-        if not torch.cuda.is_available():
-            common.die("--backend nccl needs CUDA GPUs and this machine has none: use --backend gloo")
-        torch.cuda.set_device(local_rank)  # before init_process_group, so the communicator is built on it
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+        die("start this script with torchrun, e.g. torchrun --standalone --nproc-per-node 4 bench_comm.py")
+    rank, local_rank, world_size, procs_on_node = launched
+    device = benchtools.pick_device(args.backend, local_rank, procs_on_node)
     # Each operation keeps its buffers and its expected result, up to 3 times the size, on every process here.
-    procs_on_node = int(os.environ["LOCAL_WORLD_SIZE"])
-    common.check_memory(3 * args.max_bytes * len(args.ops) * procs_on_node,
-                        f"--max-bytes {args.max_bytes} for {len(args.ops)} operations on {procs_on_node} "
-                        f"process{'es' if procs_on_node > 1 else ''}")
+    benchtools.check_memory(3 * args.max_bytes * len(args.ops) * procs_on_node,
+                            f"--max-bytes {args.max_bytes} for {len(args.ops)} operations on {procs_on_node} "
+                            f"process{'es' if procs_on_node > 1 else ''}")
     element_size = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
     if args.min_bytes < element_size * world_size:
-        common.die(f"--min-bytes must hold at least one {args.dtype} per rank: {element_size * world_size} bytes")
+        die(f"--min-bytes must hold at least one {args.dtype} per rank: {element_size * world_size} bytes")
 
     dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
     try:
@@ -248,9 +229,9 @@ def main() -> None:
     finally:
         dist.destroy_process_group()
     if rank == 0:  # every rank holds the same rows (averaged across ranks): one prints them
-        description = machine(device)
+        description = benchtools.machine(device)
         if args.json:
-            common.print_line(json.dumps({
+            print_line(json.dumps({
                 "backend": args.backend, "world_size": world_size, "dtype": args.dtype, "warmup": args.warmup,
                 "iters": args.iters, "rounds": args.rounds, "machine": description, "rows": rows,
             }, indent=1))
@@ -262,4 +243,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    common.exit_now()  # skips the interpreter's teardown of torch (see common)
+    benchtools.exit_now()  # skips the interpreter's teardown of torch (see benchtools)

@@ -25,24 +25,26 @@ import signal
 import subprocess
 import sys
 
-import common
+import benchtools
+from benchtools import die, print_line
 from model import build_model
 
 HELD = re.compile(r"^\[rank (\d+)/(\d+)\] bytes held: parameters ([\d,]+) \| gradients ([\d,]+) \| "
                   r"optimizer state ([\d,]+)$", re.MULTILINE)
 STEP = re.compile(r"^step time: (\d+\.\d+) ms", re.MULTILINE)
+POSITIVE = benchtools.number_in(1, 2**31, int)  # epochs, samples
 METHODS = {"DDP": ["zero_optimizer.py", "--no_zero"], "ZeRO-1": ["zero_optimizer.py"], "FSDP2": ["fsdp2.py"]}
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world_sizes", type=common.number_in(1, 64, int), nargs="+", default=[1, 2, 3, 4],
+    parser.add_argument("--world_sizes", type=benchtools.number_in(1, 64, int), nargs="+", default=[1, 2, 3, 4],
                         help="the numbers of processes to run each method with (1 to 64)")
     parser.add_argument("--model", default="wide", choices=["mlp", "wide"], help="which model from model.py")
-    parser.add_argument("--max_epochs", type=common.positive_int, default=1, help="epochs each job trains")
-    parser.add_argument("--train_size", type=common.positive_int, default=1024, help="training samples")
-    parser.add_argument("--batch_size", type=common.positive_int, default=32, help="samples per step on each rank")
-    parser.add_argument("--timeout", type=common.timeout_seconds, default=300.0,
+    parser.add_argument("--max_epochs", type=POSITIVE, default=1, help="epochs each job trains")
+    parser.add_argument("--train_size", type=POSITIVE, default=1024, help="training samples")
+    parser.add_argument("--batch_size", type=POSITIVE, default=32, help="samples per step on each rank")
+    parser.add_argument("--timeout", type=benchtools.timeout_seconds, default=300.0,
                         help="seconds each job may take before it is stopped")
     return parser.parse_args()
 
@@ -66,9 +68,9 @@ def run_job(method: str, world_size: int, args: argparse.Namespace) -> tuple[dic
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout,
                               env=os.environ | {"PYTHONUNBUFFERED": "1"})
     except subprocess.TimeoutExpired:
-        common.die(f"the {method} job at {world_size} ranks took more than --timeout {args.timeout:g} s")
-    except KeyboardInterrupt:  # Ctrl-C reached the job too: it stops by itself
-        common.die(f"stopped by Ctrl-C during the {method} job at {world_size} ranks", code=130)
+        die(f"the {method} job at {world_size} ranks took more than --timeout {args.timeout:g} s")
+    except KeyboardInterrupt:  # torchrun, in this terminal's process group, got it too and passes it on
+        die(f"stopped by Ctrl-C during the {method} job at {world_size} ranks", code=130)
     held = {int(m[1]): dict(zip(("parameters", "gradients", "optimizer state"),
                                 (int(m[i].replace(",", "")) for i in (3, 4, 5)), strict=True))
             for m in HELD.finditer(done.stdout)}
@@ -77,7 +79,7 @@ def run_job(method: str, world_size: int, args: argparse.Namespace) -> tuple[dic
         # The workers' own one-line error, not the box that torchrun draws after it.
         errors = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("error:")]
         said = errors[-1] if errors else "no error line; rerun the job by hand to see its output"
-        common.die(f"the {method} job at {world_size} ranks failed (exit {done.returncode}): {said}")
+        die(f"the {method} job at {world_size} ranks failed (exit {done.returncode}): {said}")
     return held, float(step[1])
 
 
@@ -100,21 +102,20 @@ def table(world_size: int, parameters: int, results: dict[str, tuple[dict[int, d
 
 def main() -> None:
     args = parse_args()
-    if common.launcher_env() is not None:
-        common.die("start this script with plain python, e.g. python bench_memory.py: it starts its torchrun jobs "
-                   "itself")
-    # Stopped, this process exits, and subprocess.run kills the job's torchrun on the way out; its
-    # workers follow through Linux's parent-death signal (see common.exit_promptly_on_signals).
+    if benchtools.launcher_env() is not None:
+        die("start this script with plain python, e.g. python bench_memory.py: it starts its torchrun jobs itself")
+    # Stopped by SIGTERM, this process exits, and subprocess.run kills the job's torchrun on the way out
+    # (it kills its child on any exception, SystemExit included).
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     parameters = sum(p.numel() for p in build_model(args.model).parameters())
-    common.print_line(f"# bench_memory.py: model {args.model} (Ψ = {parameters:,} parameters, fp32, Adam), "
-                      f"{args.max_epochs} epoch(s) of {args.train_size} samples, batch {args.batch_size} per rank")
+    print_line(f"# bench_memory.py: model {args.model} (Ψ = {parameters:,} parameters, fp32, Adam), "
+               f"{args.max_epochs} epoch(s) of {args.train_size} samples, batch {args.batch_size} per rank")
     for world_size in args.world_sizes:
         results = {method: run_job(method, world_size, args) for method in METHODS}
         for line in table(world_size, parameters, results):
-            common.print_line(line)
+            print_line(line)
 
 
 if __name__ == "__main__":
     main()
-    common.exit_now()
+    benchtools.exit_now()

@@ -10,6 +10,7 @@ from launch import REPO
 
 sys.path.insert(0, str(REPO))  # the scripts live at the repository root
 import bench_comm  # noqa: E402
+import benchtools  # noqa: E402
 
 
 def test_bus_factors_are_those_of_nccl_tests():
@@ -85,3 +86,48 @@ def test_table_describes_the_machine_and_has_a_row_per_operation():
     assert "cores, torch 2." in lines[1]
     assert "busbw (GB/s)" in lines[2] and "vs all_reduce" in lines[2]
     assert [line.split()[2] for line in lines[3:]] == list(bench_comm.OPERATIONS)
+
+
+TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--timeout", "0"], "argument --timeout: must be from 1 to 1e+07, got 0"),
+    (["--iters", "0"], "argument --iters: must be from 1 to 10000, got 0"),
+    (["--max-bytes", "4096G"], "--max-bytes 4398046511104 for 6 operations on 1 process need 79,164,837,199,872 "
+                               "bytes of memory and this machine has "),
+    (["--min-bytes", "2", "--max-bytes", "1K"], "--min-bytes must hold at least one float32 per rank: 4 bytes"),
+])
+def test_what_cannot_work_is_one_line_before_any_process_group(argv, message, monkeypatch, capsys):
+    for name, value in TORCHRUN_ENV.items():  # as torchrun would start rank 0 of 1
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", ["bench_comm.py", "--backend", "gloo", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        bench_comm.main()
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]  # argparse adds its usage
+    assert len(errors) == 1 and message in errors[0], errors
+
+
+def test_started_without_torchrun_or_with_part_of_its_variables_it_says_so_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench_comm.py"])
+    with pytest.raises(SystemExit) as exit_info:
+        bench_comm.main()
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == ("error: start this script with torchrun, e.g. torchrun --standalone "
+                                       "--nproc-per-node 4 bench_comm.py\n")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(SystemExit):
+        bench_comm.main()
+    assert capsys.readouterr().err == ("error: RANK='0', LOCAL_RANK=None, WORLD_SIZE='two', LOCAL_WORLD_SIZE=None: "
+                                       "start this script with torchrun, which sets them all\n")
+
+
+def test_an_error_is_one_line_in_one_write(monkeypatch):
+    """Two ranks' lines never run together: each is one write of the whole line."""
+    writes = []
+    monkeypatch.setattr(sys, "stderr", type("Recorder", (), {"write": writes.append, "flush": lambda self: None})())
+    with pytest.raises(SystemExit):
+        benchtools.die("a line")
+    assert writes == ["error: a line\n"]
