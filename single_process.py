@@ -7,8 +7,8 @@ Explained in docs/first_training.md.
     python single_process.py
     python single_process.py --checkpoint ckpt.pt  # run it again: it resumes where it stopped
 
-With --batch_size N × B it ends with the weights that singlenode_cpu.py reaches at N ranks of batch B
-(tests/test_train.py): the shuffle below draws the permutation that DistributedSampler splits.
+With --batch_size N × B it ends with the weights of singlenode_cpu.py at N ranks of batch B, when N
+divides --train_size (tests/test_train.py): the shuffle below draws the permutation DistributedSampler splits.
 """
 import argparse
 import os

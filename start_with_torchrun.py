@@ -13,7 +13,7 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  now: imported after init_process_group, its defaults hold the group at exit
+import torch.distributed.nn  # noqa: F401  first: imported later (Adam does), it holds the group at exit
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
@@ -82,7 +82,7 @@ def epoch_means(train_totals: tuple, val_totals: tuple) -> tuple[float, float]:
 
 def train(args: argparse.Namespace, rank: int, world_size: int) -> torch.nn.Module:
     train_loader, val_loader = make_loaders(args, rank, world_size)
-    print(f"[rank {rank}/{world_size}] {len(train_loader)} steps per epoch\n", end="", flush=True)  # one write
+    print(f"[rank {rank}/{world_size}] {len(train_loader)} steps per epoch\n", end="", flush=True)  # 1 write: unmixed
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = build_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
