@@ -164,6 +164,8 @@ def _main_worker(script: str, argv: list[str], env: dict[str, str], cwd: str, fo
         module.main()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        if code and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)  # as Python prints SystemExit("text") at exit
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
