@@ -1,141 +1,141 @@
-"""Gradient accumulation under DDP: k micro-batches per optimizer step, and one all-reduce, not k.
+"""Gradient accumulation under DDP: a step's batch in k micro-batches, and one all-reduce per step, not k.
 
-A batch too large for memory is split into k micro-batches: k forward and backward passes add
-their gradients up in .grad, then one optimizer step. Under DDP every backward all-reduces the
-gradients, so k micro-batches would cost k all-reduces where one is enough. `model.no_sync()`
-turns DDP's all-reduce off for the backward passes inside it: gradients pile up locally, and the
-last micro-batch's backward, outside no_sync(), all-reduces the sum. A hook on DDP's
-communication counts the all-reduces, so the output shows the difference.
+`diff singlenode_cpu.py grad_accumulation.py` is the lesson (docs/past_the_basics.md): each rank's batch goes
+through forward and backward in --accum_steps micro-batches, so that only one's activations are in memory;
+their gradients add up in .grad before the one optimizer step. DDP all-reduces in every backward, so all
+micro-batches but the last run under no_sync(): the last backward all-reduces the sum, once.
 
     torchrun --standalone --nproc-per-node 2 grad_accumulation.py --accum_steps 4
-    torchrun --standalone --nproc-per-node 2 grad_accumulation.py --accum_steps 4 --always_sync
 
-The data, the validation and the exact epoch means are singlenode_cpu.py's. Training with
---batch_size b and --accum_steps k takes the steps that singlenode_cpu.py takes with
---batch_size k×b, to float rounding (tests/test_grad_accumulation.py checks it).
-Explained in docs/past_the_basics.md.
+It takes the steps of singlenode_cpu.py with the same --batch_size, to float rounding. A real job: gpt/.
 """
 import argparse
 import contextlib
-import math
-from datetime import timedelta
+import os
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  imported after init_process_group, it keeps the group alive at exit
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-import common
-from data import LOSS_FLOOR
+from data import LOSS_FLOOR, make_datasets
 from model import build_model
-from singlenode_cpu import epoch_means, evaluate, make_loaders
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common.add_training_args(parser, checkpoint=False)
-    parser.add_argument("--accum_steps", type=common.number_in(1, 10**6, int), default=4,
-                        help="micro-batches of --batch_size per optimizer step (1 to 1e6)")
-    parser.add_argument("--always_sync", action="store_true",
-                        help="leave no_sync() out: all-reduce after every micro-batch, to see what that costs")
-    common.reject_old_launcher_flag(parser)
-    return parser.parse_args()
+    parser.add_argument("--max_epochs", type=int, default=10, help="epochs to train in all")
+    parser.add_argument("--batch_size", type=int, default=32, help="samples per step on each rank")
+    parser.add_argument("--lr", type=float, default=0.005, help="Adam learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and of the shuffle")
+    parser.add_argument("--train_size", type=int, default=4096, help="training samples")
+    parser.add_argument("--val_size", type=int, default=1024, help="validation samples")
+    parser.add_argument("--checkpoint", default=None, help="saved after every epoch; resumed from if it exists")
+    parser.add_argument("--accum_steps", type=int, default=4, help="micro-batches that each batch is split into")
+    args = parser.parse_args()
+    for name in ("max_epochs", "batch_size", "lr", "train_size", "val_size", "accum_steps"):
+        if not 0 < getattr(args, name) < 1e7:  # also refuses nan
+            parser.error(f"--{name} must be above 0 and below 1e7, got {getattr(args, name)}")
+    if args.accum_steps > args.batch_size:
+        parser.error(f"--accum_steps {args.accum_steps} is more than --batch_size {args.batch_size}: "
+                     "a micro-batch needs a sample")
+    return args
 
 
-def count_all_reduces(counter: list[int], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """A DDP communication hook: count the bucket, then all-reduce it as DDP would (the average)."""
-    counter[0] += 1
-    return allreduce_hook(None, bucket)
+def make_loaders(args: argparse.Namespace, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
+    train_set, val_set = make_datasets(args.train_size, args.val_size)
+    # Rank r takes samples r, r + N, r + 2N, ... of a permutation of seed + epoch, repeating a few if N does
+    # not divide the size: a rank with an extra step would wait for ever in that step's all-reduce.
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+    # Validation all-reduces no gradients, so it needs no equal steps: a strided shard, no repeats.
+    val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=args.batch_size)
+    return train_loader, val_loader
 
 
-def micro_batches(loader: DataLoader, accum_steps: int):
-    """The loader's batches in groups of accum_steps (the last group may be shorter)."""
-    group = []
-    for batch in loader:
-        group.append(batch)
-        if len(group) == accum_steps:
-            yield group
-            group = []
-    if group:
-        yield group
-
-
-def train_one_epoch(model: DDP, loader: DataLoader, optimizer: torch.optim.Optimizer, device: torch.device,
-                    accum_steps: int, always_sync: bool):
-    """Train on this rank's shard; return (sum of loss × samples, samples, optimizer steps)."""
+def train_one_epoch(model: DDP, loader: DataLoader, optimizer: torch.optim.Optimizer, accum_steps: int):
+    """Return (sum of loss × samples, samples) over this rank's shard."""
     model.train()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    samples = steps = 0
-    for group in micro_batches(loader, accum_steps):
-        group_samples = sum(len(y) for _, y in group)
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for x, y in loader:
         optimizer.zero_grad(set_to_none=True)
-        for i, (x, y) in enumerate(group):
-            x, y = x.to(device), y.to(device)
-            # Inside no_sync() backward only adds into .grad; the last micro-batch's backward runs
-            # outside it and all-reduces the accumulated sum. The forward belongs inside too: DDP
-            # decides there whether the coming backward all-reduces. Every rank must agree on which
-            # backward is the last (here: equal batch counts from DistributedSampler), or one rank
-            # waits in an all-reduce that another never starts.
-            last = i == len(group) - 1
-            with contextlib.nullcontext() if last or always_sync else model.no_sync():
-                loss = F.mse_loss(model(x), y)
-                # Each micro-batch's mean loss weighed by its share of the group's samples: 1/k
-                # when the k micro-batches are full, so the summed gradient is that of the mean
-                # over the whole group, as one batch of k×b samples would give.
-                (loss * len(y) / group_samples).backward()
-            loss_sum += loss.detach() * len(y)
-            samples += len(y)
+        k = min(accum_steps, len(y))  # a short last batch: no empty micro-batch
+        for i, (x_micro, y_micro) in enumerate(zip(x.tensor_split(k), y.tensor_split(k), strict=True)):
+            # no_sync(): backward only adds into .grad. The forward is inside too: DDP decides there whether the
+            # backward all-reduces. Every rank has k micro-batches (DistributedSampler pads): all reduce at the last.
+            with contextlib.nullcontext() if i == k - 1 else model.no_sync():
+                loss = F.mse_loss(model(x_micro), y_micro)
+                # Weighed by its share of the batch: the summed gradient is that of the batch's mean loss.
+                (loss * len(y_micro) / len(y)).backward()  # the last: DDP all-reduces (averages) the sum here
+            loss_sum += loss.detach() * len(y_micro)  # stays a tensor: no sync per step
         optimizer.step()
-        steps += 1
-    return loss_sum, samples, steps
+    return loss_sum, len(loader.sampler)
 
 
-def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int, device: torch.device):
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader: DataLoader):
+    """Return (sum of squared errors, samples) over this rank's validation shard."""
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for x, y in loader:
+        loss_sum += F.mse_loss(model(x), y, reduction="sum")
+    return loss_sum, len(loader.dataset)
+
+
+def epoch_means(train_totals: tuple, val_totals: tuple) -> tuple[float, float]:
+    """Means over every sample of every rank. Every rank all-reduces: behind `if rank == 0` it would hang."""
+    totals = torch.tensor([*train_totals, *val_totals], dtype=torch.float64)
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    return (totals[0] / totals[1]).item(), (totals[2] / totals[3]).item()
+
+
+def train(args: argparse.Namespace, rank: int, world_size: int) -> torch.nn.Module:
     train_loader, val_loader = make_loaders(args, rank, world_size)
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model = DDP(build_model(args.model).to(device))
+    print(f"[rank {rank}/{world_size}] {len(train_loader)} steps per epoch\n", end="", flush=True)  # one write
+    torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
+    model = build_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    all_reduces = [0]
-    model.register_comm_hook(all_reduces, count_all_reduces)
-    if rank == 0:
-        micro = f"{args.accum_steps} micro-batch{'es' if args.accum_steps > 1 else ''} of {args.batch_size}"
-        print(f"{world_size} ranks × {micro} = {world_size * args.accum_steps * args.batch_size} samples per "
-              "optimizer step", flush=True)
-
-    for epoch in range(args.max_epochs):
-        train_loader.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
-        all_reduces[0] = 0
-        loss_sum, samples, steps = train_one_epoch(model, train_loader, optimizer, device, args.accum_steps,
-                                                   args.always_sync)
-        # Evaluate the plain module: a forward through the wrapper may wait for the other ranks.
-        train_loss, val_loss = epoch_means((loss_sum, samples), evaluate(model.module, val_loader, device), device)
+    start_epoch = 0
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        # Every rank loads its replica; map_location: not onto the saver's device. weights_only: no code runs.
+        checkpoint = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        start_epoch = checkpoint["epoch"]  # the next epoch to run: none is repeated
         if rank == 0:
-            print(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f} | "
-                  f"{all_reduces[0]} all-reduces of gradient buckets in {steps} optimizer steps", flush=True)
-    if rank == 0:
-        print(f"done | val_loss:{val_loss:.6f} floor:{LOSS_FLOOR:.6f} ({val_loss / LOSS_FLOOR:.3f} × floor)",
-              flush=True)
+            print(f"resuming from {args.checkpoint}: {start_epoch} of {args.max_epochs} epochs done", flush=True)
+    model = DDP(model)  # broadcasts rank 0's weights; each backward averages the gradients
+    for epoch in range(start_epoch, args.max_epochs):
+        train_loader.sampler.set_epoch(epoch)  # reseeds the shuffle: without it every epoch has one order
+        train_totals = train_one_epoch(model, train_loader, optimizer, args.accum_steps)
+        val_totals = evaluate(model.module, val_loader)  # .module: a forward through DDP may wait for ranks
+        train_loss, val_loss = epoch_means(train_totals, val_totals)
+        if rank == 0:  # one writer; no barrier after it, as no rank reads the file during the run
+            print(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}", flush=True)
+            if args.checkpoint:  # .module: keys without DDP's "module." prefix, loadable by a plain model
+                state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1}
+                torch.save(state, args.checkpoint + ".tmp")  # a kill mid-write leaves the old file whole
+                os.replace(args.checkpoint + ".tmp", args.checkpoint)
+    if rank == 0 and start_epoch < args.max_epochs:
+        print(f"done | val_loss:{val_loss:.6f} floor:{LOSS_FLOOR:.6f} ({val_loss / LOSS_FLOOR:.3f} × floor)")
     return model.module
 
 
 def main() -> None:
     args = parse_args()
-    rank, local_rank, world_size = common.torchrun_ranks("grad_accumulation.py", args)  # as singlenode_cpu.py
-    batches = math.ceil(math.ceil(args.train_size / world_size) / args.batch_size)  # a rank's, per epoch
-    if args.accum_steps > batches:
-        common.die(f"--accum_steps {args.accum_steps} is more than the {batches} micro-batches of --batch_size "
-                   f"{args.batch_size} that a rank holds in an epoch: lower either")
-    timeout = timedelta(seconds=args.timeout)
-    dist.init_process_group("gloo", store=common.torchrun_store(timeout), rank=rank, world_size=world_size,
-                            timeout=timeout)
-    try:
-        train(args, rank, local_rank, world_size, torch.device("cpu"))
+    if "RANK" not in os.environ:  # torchrun sets these in every process (and OMP_NUM_THREADS=1)
+        raise SystemExit("error: start this script with torchrun --standalone --nproc-per-node 2 grad_accumulation.py")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world_size > args.train_size:
+        raise SystemExit(f"error: {world_size} ranks but {args.train_size} training samples: each needs one")
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)  # env://: meets at MASTER_ADDR:MASTER_PORT
+    try:  # destroy also when training raises: gloo's threads end with the group
+        train(args, rank, world_size)
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    common.exit_now()

@@ -1,172 +1,144 @@
-"""Uneven inputs: ranks that hold different numbers of batches, and Join, which lets them finish.
+"""Uneven inputs: ranks that hold different numbers of batches, and Join, which lets every rank finish.
 
-Each rank reads a file of its own here: a contiguous chunk of the training set, r + 1 parts of
-world_size × (world_size + 1) / 2 for rank r, so the ranks hold different numbers of samples (and of
-batches, unless a batch is as large as a file), and nothing pads them to one length as
-DistributedSampler does. Every backward all-reduces the
-gradients with every rank, so once one rank has run out, the others wait for it in vain.
-`with Join([model]):` stands in for the ranks that ran out: until the last rank is done, they
-answer each of DDP's all-reduces with zeros, so a step's gradient is the sum of the gradients of
-the ranks that still had a batch, divided by the world size (--divide_by_active: by the number of
-those ranks). On leaving the block every rank takes the weights of the last rank to finish; this
-script copies that rank's optimizer state as well, which Join does not.
+`diff singlenode_cpu.py uneven_inputs.py` is the lesson (docs/past_the_basics.md): each rank reads a file of its
+own, of a length of its own, which nothing pads. Every backward all-reduces with every rank, so once a rank has
+run out the others would wait for it in vain: Join answers their all-reduces in its place.
 
     torchrun --standalone --nproc-per-node 2 uneven_inputs.py
-    torchrun --standalone --nproc-per-node 2 uneven_inputs.py --no_join --timeout 3
+    torchrun --standalone --nproc-per-node 2 uneven_inputs.py --divide_by_active
 
-Without Join (--no_join) the ranks with batches left wait in their gradient all-reduce until
---timeout, and the run stops with one line that says so. The other way out is the same number of
-batches on every rank: drop the extra ones, or pad as DistributedSampler does. The validation and
-the exact epoch means are singlenode_cpu.py's; tests/test_uneven_inputs.py holds the weights
-against one process, without torch.distributed, that computes what Join does.
-Explained in docs/past_the_basics.md.
+A real job would rather give every rank the same number of batches: drop the extra ones, or pad (DistributedSampler).
 """
 import argparse
-import contextlib
-import math
-import sys
-import time
-from datetime import timedelta
+import os
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  imported after init_process_group, it keeps the group alive at exit
 import torch.nn.functional as F
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Subset, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-import common
 from data import LOSS_FLOOR, make_datasets
 from model import build_model
-from singlenode_cpu import epoch_means, evaluate
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common.add_training_args(parser, checkpoint=False)
-    parser.add_argument("--no_join", action="store_true",
-                        help="leave Join out, to see the job wait in an all-reduce until --timeout and stop")
+    parser.add_argument("--max_epochs", type=int, default=10, help="epochs to train in all")
+    parser.add_argument("--batch_size", type=int, default=32, help="samples per step on each rank")
+    parser.add_argument("--lr", type=float, default=0.005, help="Adam learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and of the shuffle")
+    parser.add_argument("--train_size", type=int, default=4096, help="training samples")
+    parser.add_argument("--val_size", type=int, default=1024, help="validation samples")
+    parser.add_argument("--checkpoint", default=None, help="saved after every epoch; resumed from if it exists")
     parser.add_argument("--divide_by_active", action="store_true",
-                        help="divide a step's summed gradient by the ranks that still had a batch, not by the world "
-                             "size (Join's divide_by_initial_world_size=False)")
-    common.reject_old_launcher_flag(parser)
-    return parser.parse_args()
+                        help="divide a step's summed gradient by the ranks that had a batch, not by all the ranks")
+    args = parser.parse_args()
+    for name in ("max_epochs", "batch_size", "lr", "train_size", "val_size"):
+        if not 0 < getattr(args, name) < 1e7:  # also refuses nan
+            parser.error(f"--{name} must be above 0 and below 1e7, got {getattr(args, name)}")
+    return args
 
 
-def file_of(rank: int, world_size: int, train_size: int) -> range:
-    """The indices of this rank's file: r + 1 of world_size × (world_size + 1) / 2 parts."""
-    parts = world_size * (world_size + 1) // 2
-    return range(train_size * (rank * (rank + 1) // 2) // parts, train_size * ((rank + 1) * (rank + 2) // 2) // parts)
+def make_loaders(args: argparse.Namespace, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
+    train_set, val_set = make_datasets(args.train_size, args.val_size)
+    # Rank r reads its own file: r + 1 contiguous parts of 1 + 2 + ... + N, so the ranks hold different numbers
+    # of batches, and the last rank the most. One replica: the sampler shuffles the file by epoch, pads nothing.
+    parts, before = world_size * (world_size + 1) // 2, rank * (rank + 1) // 2
+    mine = Subset(train_set, range(args.train_size * before // parts, args.train_size * (before + rank + 1) // parts))
+    sampler = DistributedSampler(mine, num_replicas=1, rank=0, shuffle=True, seed=args.seed)
+    train_loader = DataLoader(mine, batch_size=args.batch_size, sampler=sampler)
+    # Validation all-reduces no gradients, so it needs no equal steps: a strided shard, no repeats.
+    val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=args.batch_size)
+    return train_loader, val_loader
 
 
-def epoch_loader(train_set: TensorDataset, indices: range, batch_size: int, seed: int, epoch: int) -> DataLoader:
-    """This rank's file in batches, in a new order every epoch: seeded with seed + epoch, so reproducible."""
-    order = indices.start + torch.randperm(len(indices), generator=torch.Generator().manual_seed(seed + epoch))
-    return DataLoader(Subset(train_set, order.tolist()), batch_size=batch_size)
-
-
-def train_one_epoch(model: DDP, loader: DataLoader, optimizer: torch.optim.Optimizer, device: torch.device):
-    """Train on this rank's file; return (sum of loss × samples, samples) for this rank."""
+def train_one_epoch(model: torch.nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer):
+    """Return (sum of loss × samples, samples) over this rank's shard."""
     model.train()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    samples = 0
+    loss_sum = torch.zeros((), dtype=torch.float64)
     for x, y in loader:
-        x, y = x.to(device), y.to(device)
         optimizer.zero_grad(set_to_none=True)
         loss = F.mse_loss(model(x), y)
-        loss.backward()  # all-reduces with every rank: those that ran out answer through Join
+        loss.backward()  # DDP all-reduces the gradients here, with every rank: Join answers for those that ran out
         optimizer.step()
-        loss_sum += loss.detach() * len(y)
-        samples += len(y)
-    return loss_sum, samples
+        loss_sum += loss.detach() * len(y)  # stays a tensor: no sync per step
+    return loss_sum, len(loader.sampler)
 
 
-def copy_optimizer_state(optimizer: torch.optim.Optimizer, src: int) -> None:
-    """Give every rank the optimizer state of rank src. Join copies the last rank's weights to every
-    rank, but not its optimizer state: a rank that ran out skipped optimizer.step() while Join stood
-    in for it, so its Adam moments and step count lag, and next epoch its replica would drift."""
-    state = [optimizer.state_dict()]
-    dist.broadcast_object_list(state, src=src)
-    optimizer.load_state_dict(state[0])
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader: DataLoader):
+    """Return (sum of squared errors, samples) over this rank's validation shard."""
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for x, y in loader:
+        loss_sum += F.mse_loss(model(x), y, reduction="sum")
+    return loss_sum, len(loader.dataset)
 
 
-def explain_the_wait(counts: list[int], timeout: float) -> str:
-    """The --no_join failure in one line: who ran out, who waited for whom, and what to do."""
-    def ranks(chosen: list[int]) -> str:
-        return f"rank{'s' if len(chosen) > 1 else ''} {', '.join(map(str, chosen))}"
-    ran_out = [r for r, n in enumerate(counts) if n == min(counts)]
-    waited = [r for r, n in enumerate(counts) if n > min(counts)]
-    return (f"the ranks hold {', '.join(map(str, counts))} batches: after step {min(counts)} {ranks(ran_out)} had "
-            f"none left, and the gradient all-reduce of {ranks(waited)} waited for "
-            f"{'them' if len(ran_out) > 1 else 'it'} until --timeout ({timeout:g} s); wrap the training loop in Join, "
-            "or give every rank the same number of batches")
+def epoch_means(train_totals: tuple, val_totals: tuple) -> tuple[float, float]:
+    """Means over every sample of every rank. Every rank all-reduces: behind `if rank == 0` it would hang."""
+    totals = torch.tensor([*train_totals, *val_totals], dtype=torch.float64)
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    return (totals[0] / totals[1]).item(), (totals[2] / totals[3]).item()
 
 
-def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int, device: torch.device):
-    train_set, val_set = make_datasets(args.train_size, args.val_size)
-    # Validation as in singlenode_cpu.py: a strided shard, so each sample is counted exactly once.
-    val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=args.batch_size)
-    mine = file_of(rank, world_size, args.train_size)
-    # A rank knows only its own file, so every rank tells every other how many batches it holds: to
-    # say what went wrong, and whose optimizer state to copy (the last rank to run out; of several,
-    # the highest, the rank whose weights Join copies).
-    counts = [None] * world_size
-    dist.all_gather_object(counts, math.ceil(len(mine) / args.batch_size))
-    last = max(r for r, n in enumerate(counts) if n == max(counts))
-    common.print_line(f"[rank {rank}/{world_size}] samples {mine.start} to {mine.stop - 1}: {counts[rank]} batches")
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model = DDP(build_model(args.model).to(device))
+def train(args: argparse.Namespace, rank: int, world_size: int) -> torch.nn.Module:
+    train_loader, val_loader = make_loaders(args, rank, world_size)
+    print(f"[rank {rank}/{world_size}] {len(train_loader)} steps per epoch\n", end="", flush=True)  # one write
+    torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
+    model = build_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    if rank == 0 and not args.no_join:
-        print(f"{max(counts)} steps per epoch: Join stands in for each rank in the steps after its last batch",
-              flush=True)
-
-    for epoch in range(args.max_epochs):
-        loader = epoch_loader(train_set, mine, args.batch_size, args.seed, epoch)
-        # Join answers DDP's collectives for the ranks that ran out, until the last rank leaves the
-        # block. One block per epoch: Join knows nothing of the collectives below, so they stay outside.
-        join = contextlib.nullcontext() if args.no_join else Join(
-            [model], divide_by_initial_world_size=not args.divide_by_active)
-        try:
-            with join:
-                loss_sum, samples = train_one_epoch(model, loader, optimizer, device)
-            # Every rank, every epoch. Without Join a rank that ran out waits here, in a broadcast, while
-            # the others wait in their gradient all-reduce: gloo never pairs collectives of two kinds, so
-            # all of them give up at --timeout. (An all-reduce here would be paired with theirs: gloo
-            # aborts the process when the sizes differ, and adds unrelated numbers when they match.)
-            copy_optimizer_state(optimizer, last)
-        except RuntimeError:
-            if not args.no_join or len(set(counts)) == 1:  # not the wait that this flag is there to show
-                raise
-            if rank == 0:
-                common.die(explain_the_wait(counts, args.timeout), code=1)
-            time.sleep(1)  # torchrun stops every worker once one fails: leave rank 0 the time to say why
-            sys.exit(1)
-        # Evaluate the plain module: a forward through the wrapper may wait for the other ranks.
-        train_loss, val_loss = epoch_means((loss_sum, samples), evaluate(model.module, val_loader, device), device)
+    start_epoch = 0
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        # Every rank loads its replica; map_location: not onto the saver's device. weights_only: no code runs.
+        checkpoint = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        start_epoch = checkpoint["epoch"]  # the next epoch to run: none is repeated
         if rank == 0:
-            common.print_line(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}")
-    if rank == 0:
-        print(f"done | val_loss:{val_loss:.6f} floor:{LOSS_FLOOR:.6f} ({val_loss / LOSS_FLOOR:.3f} × floor)",
-              flush=True)
+            print(f"resuming from {args.checkpoint}: {start_epoch} of {args.max_epochs} epochs done", flush=True)
+    model = DDP(model)  # broadcasts rank 0's weights; each backward averages the gradients
+    for epoch in range(start_epoch, args.max_epochs):
+        train_loader.sampler.set_epoch(epoch)  # reseeds the shuffle: without it every epoch has one order
+        # Until the last rank leaves the block, Join answers DDP's all-reduces with zeros for the ranks that ran out.
+        # It knows no other collective: one block per epoch, and ours stay outside it.
+        with Join([model], divide_by_initial_world_size=not args.divide_by_active):
+            train_totals = train_one_epoch(model, train_loader, optimizer)
+        # On leaving, Join gives every rank the last rank's weights but not its optimizer state: a rank that ran out
+        # skipped steps, and its Adam moments lag. Every rank takes those of the last rank, which holds the most.
+        optimizer_state = [optimizer.state_dict()]
+        dist.broadcast_object_list(optimizer_state, src=world_size - 1)
+        optimizer.load_state_dict(optimizer_state[0])
+        val_totals = evaluate(model.module, val_loader)  # .module: a forward through DDP may wait for ranks
+        train_loss, val_loss = epoch_means(train_totals, val_totals)
+        if rank == 0:  # one writer; no barrier after it, as no rank reads the file during the run
+            print(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}", flush=True)
+            if args.checkpoint:  # .module: keys without DDP's "module." prefix, loadable by a plain model
+                state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1}
+                torch.save(state, args.checkpoint + ".tmp")  # a kill mid-write leaves the old file whole
+                os.replace(args.checkpoint + ".tmp", args.checkpoint)
+    if rank == 0 and start_epoch < args.max_epochs:
+        print(f"done | val_loss:{val_loss:.6f} floor:{LOSS_FLOOR:.6f} ({val_loss / LOSS_FLOOR:.3f} × floor)")
     return model.module
 
 
 def main() -> None:
     args = parse_args()
-    rank, local_rank, world_size = common.torchrun_ranks("uneven_inputs.py", args)  # as singlenode_cpu.py
-    if not file_of(0, world_size, args.train_size):
-        common.die(f"--train_size {args.train_size} leaves rank 0 no sample: with {world_size} ranks it needs at least "
-                   f"{world_size * (world_size + 1) // 2}")
-    timeout = timedelta(seconds=args.timeout)
-    dist.init_process_group("gloo", store=common.torchrun_store(timeout), rank=rank, world_size=world_size,
-                            timeout=timeout)
-    try:
-        train(args, rank, local_rank, world_size, torch.device("cpu"))
+    if "RANK" not in os.environ:  # torchrun sets these in every process (and OMP_NUM_THREADS=1)
+        raise SystemExit("error: start this script with torchrun --standalone --nproc-per-node 2 uneven_inputs.py")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world_size * (world_size + 1) // 2 > args.train_size:  # 1 + 2 + ... + N parts, each of a sample at least
+        raise SystemExit(f"error: {world_size} ranks but {args.train_size} training samples: files of 1 to "
+                         f"{world_size} parts need {world_size * (world_size + 1) // 2} or more")
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)  # env://: meets at MASTER_ADDR:MASTER_PORT
+    try:  # destroy also when training raises: gloo's threads end with the group
+        train(args, rank, world_size)
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    common.exit_now()

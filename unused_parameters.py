@@ -1,161 +1,150 @@
-"""Parameters that some steps leave unused: DDP's error, and its two fixes with what each costs.
+"""A branch that some steps skip: parameters left without a gradient, DDP's error, and its two fixes.
 
-DDP all-reduces the gradients bucket by bucket during backward, each bucket once every parameter in
-it has its gradient. A parameter that this step's forward did not use gets no gradient, so its
-bucket is never reduced: backward returns with gradients that were never averaged, the optimizer
-steps with them (the replicas drift apart), and DDP raises only at the next forward.
+`diff singlenode_cpu.py unused_parameters.py` is the lesson (docs/past_the_basics.md). DDP all-reduces a bucket
+once each of its parameters has a gradient; one that a step's forward did not use gets none, so its bucket is
+never reduced: the optimizer steps with gradients that were not averaged, and DDP raises at the next forward.
 
-The model is model.py's plus a branch, a linear path from the input to the output, that training
-uses on every K-th step only (--branch_every K; 0: on no step): an auxiliary head trained now and
-then, a layer dropped on some steps, task heads trained in turn. The step count decides, so every
-rank takes or skips the branch at the same step. (A branch chosen by each rank's data can be taken
-on one rank and skipped on another: find_unused_parameters handles that too.)
-
-    torchrun --standalone --nproc-per-node 2 unused_parameters.py --fix none
-    torchrun --standalone --nproc-per-node 2 unused_parameters.py
-    torchrun --standalone --nproc-per-node 2 unused_parameters.py --fix static_graph
-    torchrun --standalone --nproc-per-node 2 unused_parameters.py --fix static_graph --branch_every 0
-
-find_unused_parameters=True (the default here): after every forward DDP walks the autograd graph
-from the outputs and marks the parameters it does not reach as ready, and every backward all-reduces
-a map of which parameters each rank used: one all-reduce more per step. static_graph=True: DDP
-learns the unused set in the first step and takes it as fixed from then on, with no search and no
-extra all-reduce; a set that changes from step to step (--branch_every 2) is an error.
-Explained in docs/past_the_basics.md.
+    torchrun --standalone --nproc-per-node 2 unused_parameters.py --fix none  # the error
+    torchrun --standalone --nproc-per-node 2 unused_parameters.py  # find_unused_parameters=True
+    torchrun --standalone --nproc-per-node 2 unused_parameters.py --fix static_graph --branch never
 """
 import argparse
-import re
-import time
-from datetime import timedelta
+import os
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  imported after init_process_group, it keeps the group alive at exit
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-import common
-from data import FEATURES, LOSS_FLOOR
+from data import FEATURES, LOSS_FLOOR, make_datasets
 from model import build_model
-from singlenode_cpu import epoch_means, evaluate, make_loaders
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common.add_training_args(parser, checkpoint=False)
+    parser.add_argument("--max_epochs", type=int, default=10, help="epochs to train in all")
+    parser.add_argument("--batch_size", type=int, default=32, help="samples per step on each rank")
+    parser.add_argument("--lr", type=float, default=0.005, help="Adam learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and of the shuffle")
+    parser.add_argument("--train_size", type=int, default=4096, help="training samples")
+    parser.add_argument("--val_size", type=int, default=1024, help="validation samples")
+    parser.add_argument("--checkpoint", default=None, help="saved after every epoch; resumed from if it exists")
     parser.add_argument("--fix", choices=["none", "find_unused", "static_graph"], default="find_unused",
-                        help="none: plain DDP; find_unused: DDP(find_unused_parameters=True); "
-                             "static_graph: DDP(static_graph=True)")
-    parser.add_argument("--branch_every", type=common.number_in(0, 10**6, int), default=2,
-                        help="the branch joins the forward on every K-th step (0: on none)")
-    common.reject_old_launcher_flag(parser)
-    return parser.parse_args()
+                        help="none: plain DDP, or DDP(find_unused_parameters=True), or DDP(static_graph=True)")
+    parser.add_argument("--branch", choices=["odd_steps", "never"], default="odd_steps", help="steps using the branch")
+    args = parser.parse_args()
+    for name in ("max_epochs", "batch_size", "lr", "train_size", "val_size"):
+        if not 0 < getattr(args, name) < 1e7:  # also refuses nan
+            parser.error(f"--{name} must be above 0 and below 1e7, got {getattr(args, name)}")
+    return args
+
+
+def make_loaders(args: argparse.Namespace, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
+    train_set, val_set = make_datasets(args.train_size, args.val_size)
+    # Rank r takes samples r, r + N, r + 2N, ... of a permutation of seed + epoch, repeating a few if N does
+    # not divide the size: a rank with an extra step would wait for ever in that step's all-reduce.
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+    # Validation all-reduces no gradients, so it needs no equal steps: a strided shard, no repeats.
+    val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=args.batch_size)
+    return train_loader, val_loader
 
 
 class WithBranch(nn.Module):
-    """model.py's model, plus a linear branch from the input added to its output when asked."""
+    """model.py's model plus a linear branch from the input to the output, which some steps skip."""
 
-    def __init__(self, body: nn.Module) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.body = body
-        self.branch = nn.Linear(FEATURES, 1)
-        nn.init.zeros_(self.branch.weight)  # adds nothing until trained: evaluation may always use it
-        nn.init.zeros_(self.branch.bias)
+        self.body, self.branch = build_model(), nn.Parameter(torch.zeros(FEATURES, 1))  # adds 0 till trained
 
     def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
-        out = self.body(x)  # (batch, 1)
-        return out + self.branch(x) if use_branch else out
+        return self.body(x) + x @ self.branch if use_branch else self.body(x)  # (batch, 1)
 
 
-def uses_branch(step: int, every: int) -> bool:
-    """The step count alone decides, so every rank takes the branch at the same steps."""
-    return every > 0 and (step + 1) % every == 0
-
-
-def train_one_epoch(model: DDP, loader: DataLoader, optimizer: torch.optim.Optimizer, device: torch.device,
-                    first_step: int, branch_every: int):
-    """Train on this rank's shard; return (sum of loss × samples, samples, steps)."""
+def train_one_epoch(model: torch.nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer, branch: str):
+    """Return (sum of loss × samples, samples) over this rank's shard."""
     model.train()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    samples = steps = 0
-    for x, y in loader:
-        x, y = x.to(device), y.to(device)
-        # set_to_none: a parameter that no rank used keeps .grad None (DDP leaves it untouched), so
-        # Adam skips it, as in one process; zeroed grads would let Adam's momentum move it.
-        optimizer.zero_grad(set_to_none=True)
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for step, (x, y) in enumerate(loader):  # the step decides on the branch: every rank takes it at the same steps
+        optimizer.zero_grad(set_to_none=True)  # a parameter that no rank used keeps .grad None: Adam skips it
         try:
-            loss = F.mse_loss(model(x, use_branch=uses_branch(first_step + steps, branch_every)), y)
-            loss.backward()  # all-reduces each bucket once all its parameters have their gradients
-        except RuntimeError as error:  # raised on every rank at the same step: they share the schedule
-            if not re.search("finished reduction|graph has changed", str(error)):
+            loss = F.mse_loss(model(x, use_branch=branch == "odd_steps" and step % 2 == 1), y)
+            loss.backward()  # DDP all-reduces each bucket once all its parameters have their gradients
+        except RuntimeError as error:  # DDP's message runs to a page: its first sentence, and the fix
+            if "unused" not in str(error):
                 raise  # not about unused parameters
-            common.die(explain(error, model, first_step + steps), code=1)
+            raise SystemExit(f"error: step {step}: {str(error).split('. ')[0]}. Use --fix find_unused") from None
         optimizer.step()
-        loss_sum += loss.detach() * len(y)
-        samples += len(y)
-        steps += 1
-    return loss_sum, samples, steps
+        loss_sum += loss.detach() * len(y)  # stays a tensor: no sync per step
+    return loss_sum, len(loader.sampler)
 
 
-def explain(error: RuntimeError, model: DDP, step: int) -> str:
-    """DDP's message runs to a page: its first sentence, the parameters it names, and what to do."""
-    text = str(error)
-    line = f"DDP stopped step {step}: {text.split('. ')[0]}."
-    found = re.search(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)", text)
-    if found:  # DDP numbers the parameters as module.parameters() lists them
-        names = [name for name, _ in model.module.named_parameters()]
-        indices = found.group(1).split()
-        line += (f" Step {step - 1} gave no gradient to parameters {' '.join(indices)} "
-                 f"({', '.join(names[int(i)] for i in indices)}), so their bucket was never all-reduced and "
-                 "the optimizer stepped with gradients that were not averaged.")
-    if "static_graph" in text:
-        return line + " static_graph=True needs the same parameters unused at every step: use --fix find_unused"
-    return line + " Use --fix find_unused (or --fix static_graph where the same parameters go unused at every step)"
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader: DataLoader):
+    """Return (sum of squared errors, samples) over this rank's validation shard."""
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for x, y in loader:
+        loss_sum += F.mse_loss(model(x), y, reduction="sum")
+    return loss_sum, len(loader.dataset)
 
 
-def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int, device: torch.device):
+def epoch_means(train_totals: tuple, val_totals: tuple) -> tuple[float, float]:
+    """Means over every sample of every rank. Every rank all-reduces: behind `if rank == 0` it would hang."""
+    totals = torch.tensor([*train_totals, *val_totals], dtype=torch.float64)
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    return (totals[0] / totals[1]).item(), (totals[2] / totals[3]).item()
+
+
+def train(args: argparse.Namespace, rank: int, world_size: int) -> torch.nn.Module:
     train_loader, val_loader = make_loaders(args, rank, world_size)
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    find_unused, static_graph = args.fix == "find_unused", args.fix == "static_graph"
-    model = DDP(WithBranch(build_model(args.model)).to(device), find_unused_parameters=find_unused,
-                static_graph=static_graph)
+    print(f"[rank {rank}/{world_size}] {len(train_loader)} steps per epoch\n", end="", flush=True)  # one write
+    torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
+    model = WithBranch()
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    if rank == 0:
-        every = f"1 step in {args.branch_every}" if args.branch_every else "no step"
-        print(f"--fix {args.fix}: DDP(model, find_unused_parameters={find_unused}, static_graph={static_graph}) | "
-              f"the branch joins the forward on {every}", flush=True)
-
-    step = 0
-    for epoch in range(args.max_epochs):
-        train_loader.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
-        start = time.perf_counter()
-        loss_sum, samples, steps = train_one_epoch(model, train_loader, optimizer, device, step, args.branch_every)
-        ms_per_step = (time.perf_counter() - start) * 1000 / steps
-        step += steps
-        # Evaluate the plain module (with the branch): a forward through the wrapper may wait for the others.
-        train_loss, val_loss = epoch_means((loss_sum, samples), evaluate(model.module, val_loader, device), device)
+    start_epoch = 0
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        # Every rank loads its replica; map_location: not onto the saver's device. weights_only: no code runs.
+        checkpoint = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        start_epoch = checkpoint["epoch"]  # the next epoch to run: none is repeated
         if rank == 0:
-            print(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f} | "
-                  f"{ms_per_step:.2f} ms/step on rank 0", flush=True)
-    if rank == 0:
-        print(f"done | val_loss:{val_loss:.6f} floor:{LOSS_FLOOR:.6f} ({val_loss / LOSS_FLOOR:.3f} × floor)",
-              flush=True)
+            print(f"resuming from {args.checkpoint}: {start_epoch} of {args.max_epochs} epochs done", flush=True)
+    model = DDP(model, find_unused_parameters=args.fix == "find_unused",  # each forward: find what it left unused
+                static_graph=args.fix == "static_graph")  # or learn that at the first step, and take it as fixed
+    for epoch in range(start_epoch, args.max_epochs):
+        train_loader.sampler.set_epoch(epoch)  # reseeds the shuffle: without it every epoch has one order
+        train_totals = train_one_epoch(model, train_loader, optimizer, args.branch)
+        val_totals = evaluate(model.module, val_loader)  # .module: a forward through DDP may wait for ranks
+        train_loss, val_loss = epoch_means(train_totals, val_totals)
+        if rank == 0:  # one writer; no barrier after it, as no rank reads the file during the run
+            print(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}", flush=True)
+            if args.checkpoint:  # .module: keys without DDP's "module." prefix, loadable by a plain model
+                state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1}
+                torch.save(state, args.checkpoint + ".tmp")  # a kill mid-write leaves the old file whole
+                os.replace(args.checkpoint + ".tmp", args.checkpoint)
+    if rank == 0 and start_epoch < args.max_epochs:
+        print(f"done | val_loss:{val_loss:.6f} floor:{LOSS_FLOOR:.6f} ({val_loss / LOSS_FLOOR:.3f} × floor)")
     return model.module
 
 
 def main() -> None:
     args = parse_args()
-    rank, local_rank, world_size = common.torchrun_ranks("unused_parameters.py", args)  # as singlenode_cpu.py
-    timeout = timedelta(seconds=args.timeout)
-    dist.init_process_group("gloo", store=common.torchrun_store(timeout), rank=rank, world_size=world_size,
-                            timeout=timeout)
-    try:
-        train(args, rank, local_rank, world_size, torch.device("cpu"))
+    if "RANK" not in os.environ:  # torchrun sets these in every process (and OMP_NUM_THREADS=1)
+        raise SystemExit("error: start this script with torchrun --standalone --nproc-per-node 2 unused_parameters.py")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world_size > args.train_size:
+        raise SystemExit(f"error: {world_size} ranks but {args.train_size} training samples: each needs one")
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)  # env://: meets at MASTER_ADDR:MASTER_PORT
+    try:  # destroy also when training raises: gloo's threads end with the group
+        train(args, rank, world_size)
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    common.exit_now()

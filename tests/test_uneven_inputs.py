@@ -1,31 +1,33 @@
-"""uneven_inputs.py: with Join, ranks that hold different numbers of batches all finish, every one
-with the weights of a single process that computes what Join does; without it, the run stops at
---timeout with one line that says why."""
+"""uneven_inputs.py: with Join, ranks that hold different numbers of batches all finish, every one with the
+weights of a single process that computes what Join does; without Join they cannot finish."""
+import argparse
+import ast
+import contextlib
 import functools
-import re
 import sys
-import time
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from harness import spawn, torchrun_in_process
-from launch import epoch_losses
+from harness import run_ranks, spawn
+from launch import REPO, epoch_losses
 from reference import sampler_order
-from workers import train_script
 
 import uneven_inputs
 from data import make_datasets
 from model import build_model
 
-# 301 samples in files of 1 and 2 parts (2 ranks: 100 and 201 samples, 15 and 29 batches of 7) or
-# of 1, 2 and 3 parts (3 ranks: 50, 100 and 151 samples, 8, 15 and 22 batches); every file ends in
-# a short batch. Two epochs: the second starts from the state that the first left on every rank.
+# 301 samples in files of 1 and 2 parts (2 ranks: 100 and 201 samples, 15 and 29 batches of 7) or of 1, 2 and
+# 3 parts (3 ranks: 50, 100 and 151 samples, 8, 15 and 22 batches); every file ends in a short batch. Two
+# epochs: the second starts from the state that the first left on every rank.
 SIZES = ["--max_epochs", "2", "--train_size", "301", "--val_size", "50", "--batch_size", "7", "--lr", "0.01"]
-FILE_LINE = re.compile(r"^\[rank (\d+)/(\d+)\] samples (\d+) to (\d+): (\d+) batches$", re.MULTILINE)
+BATCHES = {2: [15, 29], 3: [8, 15, 22]}
 
 
-def parse(argv: list[str]):
+def parse(argv: list[str]) -> argparse.Namespace:
     saved, sys.argv = sys.argv, ["uneven_inputs.py", *argv]
     try:
         return uneven_inputs.parse_args()
@@ -34,7 +36,7 @@ def parse(argv: list[str]):
 
 
 def files(train_size: int, world_size: int) -> list[range]:
-    """Each rank's file, from the rule the script documents: r + 1 parts of world_size × (world_size + 1) / 2."""
+    """Each rank's file, from the rule the script documents: r + 1 contiguous parts of 1 + 2 + ... + N."""
     parts = world_size * (world_size + 1) // 2
     ends = [train_size * (r * (r + 1) // 2) // parts for r in range(world_size + 1)]
     return [range(ends[r], ends[r + 1]) for r in range(world_size)]
@@ -42,20 +44,19 @@ def files(train_size: int, world_size: int) -> list[range]:
 
 @functools.cache
 def join_reference(world_size: int, divide_by_active: bool) -> tuple[dict, list[tuple[float, float]]]:
-    """What DDP under Join computes with SIZES, in one process without torch.distributed; return the
-    final weights and each epoch's (train_loss, val_loss).
+    """What DDP under Join computes with SIZES, in one process without torch.distributed; return the final
+    weights and each epoch's (train_loss, val_loss).
 
-    Every rank's batches of the epoch are rebuilt (its file, shuffled with seed + epoch). Step t
-    takes the batch t of every rank that still has one: DDP divides each rank's gradient by the
-    world size and sums them, and a rank that ran out adds the zeros that Join all-reduces in its
-    place (divide_by_initial_world_size=True); with divide_by_active, the divisor is the number of
-    ranks with a batch. One model and one optimizer take every step: the weights and optimizer
-    state of the ranks that hold the most batches, which the script gives every rank."""
+    Every rank's batches of the epoch are rebuilt (its file, shuffled with seed + epoch). Step t takes the
+    batch t of every rank that still has one: DDP divides each rank's gradient by the world size and sums
+    them, and a rank that ran out adds the zeros that Join all-reduces in its place; with divide_by_active,
+    the divisor is the number of ranks with a batch. One model and one optimizer take every step: the
+    weights and optimizer state of the last rank, which holds the most batches and which the script copies."""
     args = parse(SIZES)
     train_set, val_set = make_datasets(args.train_size, args.val_size)
     x, y = train_set.tensors
     torch.manual_seed(args.seed)
-    model = build_model(args.model)
+    model = build_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     losses = []
     for epoch in range(args.max_epochs):
@@ -78,14 +79,12 @@ def join_reference(world_size: int, divide_by_active: bool) -> tuple[dict, list[
 
 
 def join_runs(rank: int, world_size: int) -> list[dict]:
-    """On every rank, in one process group: train() with Join, with --divide_by_active, and with
-    Join but without the copy of the optimizer state (last: it replaces the function for good in
-    this worker)."""
-    weights = [train_script(rank, world_size, "uneven_inputs", SIZES),
-               train_script(rank, world_size, "uneven_inputs", [*SIZES, "--divide_by_active"])]
-    uneven_inputs.copy_optimizer_state = lambda optimizer, src: None
-    weights.append(train_script(rank, world_size, "uneven_inputs", SIZES))
-    return weights
+    """On every rank, in one process group: train() with Join, with --divide_by_active, and with Join but
+    without the broadcast of the last rank's optimizer state (last: it replaces it for good in this worker)."""
+    weights = [uneven_inputs.train(parse(SIZES), rank, world_size).state_dict(),
+               uneven_inputs.train(parse([*SIZES, "--divide_by_active"]), rank, world_size).state_dict()]
+    uneven_inputs.dist.broadcast_object_list = lambda objects, src: None
+    return [*weights, uneven_inputs.train(parse(SIZES), rank, world_size).state_dict()]
 
 
 @pytest.fixture(scope="module")
@@ -101,22 +100,27 @@ def max_difference(weights: dict, expected: dict) -> float:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ranks_read_files_that_hold_different_numbers_of_batches(runs, world_size):
     _, stdouts = runs[world_size]
-    expected = files(301, world_size)
-    assert [i for indices in expected for i in indices] == list(range(301))  # every sample, once
-    counts = []
-    for rank, stdout in enumerate(stdouts):
-        lines = FILE_LINE.findall(stdout)
-        assert len(lines) == 3 and len(set(lines)) == 1, stdout  # one line per run, the same each time
-        r, w, first, last, batches = map(int, lines[0])
-        assert (r, w, range(first, last + 1)) == (rank, world_size, expected[rank])
-        assert batches == -(-len(expected[rank]) // 7)
-        counts.append(batches)
-    assert len(set(counts)) == world_size, counts  # no two ranks take the same number of steps
-    assert f"{max(counts)} steps per epoch: Join stands in for each rank" in stdouts[0]
+    args = parse(SIZES)
+    loaders = [uneven_inputs.make_loaders(args, rank, world_size)[0] for rank in range(world_size)]
+    assert [loader.dataset.indices for loader in loaders] == files(301, world_size)
+    assert [len(loader) for loader in loaders] == BATCHES[world_size]
+    for rank, stdout in enumerate(stdouts):  # once per run
+        assert stdout.count(f"[rank {rank}/{world_size}] {BATCHES[world_size][rank]} steps per epoch\n") == 3
+
+
+def test_the_last_rank_holds_the_most_batches_whatever_the_sizes():
+    """The script copies the optimizer state of rank N - 1, as the rank whose weights Join copies: the
+    highest of those that finish last."""
+    for world_size in range(2, 9):
+        for train_size in range(world_size * (world_size + 1) // 2, 400):
+            sizes = [len(indices) for indices in files(train_size, world_size)]
+            assert sizes == sorted(sizes) and min(sizes) > 0, (world_size, train_size)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_join_ends_every_rank_with_the_weights_of_the_reference(runs, world_size):
+    """Not bitwise: DDP sums the ranks' gradients divided by the world size, the reference divides their summed
+    losses; 1e-5 after 58 or 44 Adam steps."""
     results, stdouts = runs[world_size]
     for run, divide_by_active in ((0, False), (1, True)):
         for rank in range(1, world_size):
@@ -125,8 +129,7 @@ def test_join_ends_every_rank_with_the_weights_of_the_reference(runs, world_size
         expected, losses = join_reference(world_size, divide_by_active)
         for name, tensor in expected.items():
             torch.testing.assert_close(results[0][run][name], tensor, rtol=0, atol=1e-5, msg=(run, name))
-        # The other divisor ends elsewhere: the test tells the two apart.
-        other, _ = join_reference(world_size, not divide_by_active)
+        other, _ = join_reference(world_size, not divide_by_active)  # the test tells the two divisors apart
         assert max_difference(results[0][run], other) > 1e-3
         printed = epoch_losses(stdouts[0].split("done |")[run])
         assert sorted(printed) == [0, 1]
@@ -134,46 +137,58 @@ def test_join_ends_every_rank_with_the_weights_of_the_reference(runs, world_size
             assert printed[epoch] == pytest.approx((train_loss, val_loss), abs=2e-6)
 
 
-def test_without_the_optimizer_state_of_the_last_rank_the_replicas_drift(runs):
-    """Join copies the weights at its exit, so every rank still ends with the same weights; but the
-    rank that ran out starts the next epoch with Adam state that lags, and the run goes astray."""
-    results, _ = runs[2]
-    for name, tensor in results[0][2].items():
-        assert torch.equal(results[1][2][name], tensor), name
-    expected, _ = join_reference(2, False)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_without_the_optimizer_state_of_the_last_rank_the_replicas_drift(runs, world_size):
+    """Join copies the weights at its exit, so every rank still ends with the same weights; but the ranks that
+    ran out start the next epoch with Adam state that lags, and the run goes astray."""
+    results, _ = runs[world_size]
+    for rank in range(1, world_size):
+        for name, tensor in results[0][2].items():
+            assert torch.equal(results[rank][2][name], tensor), name
+    expected, _ = join_reference(world_size, False)
     assert max_difference(results[0][2], expected) > 1e-3
 
 
-def test_without_join_the_run_stops_at_the_timeout_with_one_line():
-    """The rank with 29 batches waits in its gradient all-reduce of step 16 for the rank with 15,
-    which waits in the next collective; at --timeout both give up and one line says why."""
-    started = time.monotonic()
-    result = torchrun_in_process(2, "uneven_inputs.py", *SIZES, "--no_join", "--timeout", "3", timeout=60)
-    assert result.codes == [1, 1]
-    assert 3 < time.monotonic() - started < 45  # it waited for --timeout, not for gloo's default of 30 minutes
-    error_lines = [line for line in result.stderr.splitlines() if "error:" in line]
-    assert error_lines == [
-        "error: the ranks hold 15, 29 batches: after step 15 rank 0 had none left, and the gradient all-reduce of "
-        "rank 1 waited for it until --timeout (3 s); wrap the training loop in Join, or give every rank the same "
-        "number of batches"], result.stderr
-    assert "Traceback" not in result.stderr  # no worker's traceback
-    assert sorted(FILE_LINE.findall(result.stdout)) == [("0", "2", "0", "99", "15"), ("1", "2", "100", "300", "29")]
-    assert epoch_losses(result.stdout) == {}
+def without_join(rank: int, world_size: int) -> None:
+    """train() with a Join that does nothing, in a group whose collectives give up after 3 s."""
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=3))  # not the harness's 60 s
+    uneven_inputs.Join = lambda joinables, **options: contextlib.nullcontext()
+    uneven_inputs.train(parse(SIZES), rank, world_size)
+
+
+def test_without_join_the_ranks_with_batches_left_wait_in_vain():
+    """Rank 0 runs out after 15 steps and goes on to the broadcast after the epoch; rank 1 waits in the
+    all-reduce of its 16th step. Neither call is ever answered: both give up at the timeout."""
+    codes, _, stdouts, stderrs = run_ranks(without_join, 2, timeout=60)
+    assert codes == [1, 1], stderrs
+    for stderr, waiting_in in zip(stderrs, ("broadcast_object_list", "backward"), strict=True):
+        assert waiting_in in stderr and "Timed out waiting 3000ms" in stderr, stderr
+    assert all(epoch_losses(stdout) == {} for stdout in stdouts)
+
+
+def _functions(path: Path) -> dict[str, str]:
+    """Each top-level function's code, without comments (ast drops them)."""
+    return {node.name: ast.dump(node) for node in ast.parse(path.read_text()).body
+            if isinstance(node, ast.FunctionDef)}
+
+
+def test_what_join_does_not_change_is_singlenode_cpus_code():
+    lesson, reference = _functions(REPO / "uneven_inputs.py"), _functions(REPO / "singlenode_cpu.py")
+    assert list(lesson) == list(reference)  # the same functions, in the same order
+    for name in ("train_one_epoch", "evaluate", "epoch_means"):
+        assert lesson[name] == reference[name], name
 
 
 @pytest.mark.parametrize("argv, environment, message", [
-    ([], {}, "error: start this script with torchrun, e.g. torchrun --standalone --nproc-per-node 2 uneven_inputs.py"),
-    (["--train_size", "5"], {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3",
-                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
-     "error: --train_size 5 leaves rank 0 no sample: with 3 ranks it needs at least 6"),
+    ([], {}, "error: start this script with torchrun --standalone --nproc-per-node 2 uneven_inputs.py"),
+    (["--train_size", "5"], {"RANK": "0", "WORLD_SIZE": "3"},
+     "error: 3 ranks but 5 training samples: files of 1 to 3 parts need 6 or more"),
 ])
-def test_a_wrong_start_is_one_line(argv, environment, message, monkeypatch, capsys):
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+def test_a_wrong_start_is_one_line(argv, environment, message, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(sys, "argv", ["uneven_inputs.py", *argv])
     with pytest.raises(SystemExit) as stopped:
         uneven_inputs.main()
-    assert stopped.value.code == 2
-    assert capsys.readouterr().err == message + "\n"
+    assert stopped.value.code == message  # what Python prints, as the one line on stderr
