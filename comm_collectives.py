@@ -1,500 +1,295 @@
-"""Every collective operation of torch.distributed, shown on every rank and checked, and a hand-written
-ring all-reduce.
+"""Every collective of torch.distributed, shown on every rank and checked; a hand-written ring all-reduce.
 
-DDP is built on these operations. Each one below prints what every rank holds before and after it, and
-each result is compared with the answer computed on the rank itself, without any communication (numpy):
-a mismatch makes every rank exit with status 1. Nothing assumes two ranks: lists are sized by the world
-size and the roots are not always rank 0. Then ring_all_reduce() builds a bandwidth-optimal all-reduce
-out of point-to-point messages, and the data-parallel step of PyTorch's distributed tutorial
-(gradients averaged with all_reduce after backward) is shown to give the same weights as DDP.
-comm_intro.py comes first (send/recv, the first all_reduce, groups, rendezvous).
+Each rank prints what it holds before and after each operation, prefixed `[rank r/w]`, and checks the
+result against numpy's answer, computed without communication: a mismatch on any rank makes every rank exit
+with status 1. Last, the data-parallel step of PyTorch's tutorial (all_reduce the gradients after backward)
+against DDP. After comm_intro.py; explained in docs/communication.md.
 
-    torchrun --standalone --nproc-per-node 4 comm_collectives.py       # any count from 1 to 8; gloo on CPU
-    torchrun --standalone --nproc-per-node 2 comm_collectives.py --backend nccl   # one GPU per process
-
-Started with plain python, it prints how to launch it and exits with status 2.
-Explained in docs/communication.md.
+    torchrun --standalone --nproc-per-node 4 comm_collectives.py  # any number of processes, gloo on CPUs
 """
 import argparse
 import copy
 import math
+import os
 import time
-from collections.abc import Callable
 from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  imported later (DDP does), its defaults would hold the group into exit
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import common
+from data import make_datasets
+from model import build_model
 
-SEGMENT_BYTES = 4 * 2**20  # ring_all_reduce moves big chunks in pieces of at most this size
-BARRIER_DELAY = 0.5  # seconds one rank arrives late at the barriers
-NAME_WIDTH = 30  # column of the operation names in the output
+SEGMENT_BYTES = 4 * 2**20  # ring_all_reduce sends big chunks in pieces of at most this size
+BARRIER_DELAY = 0.5  # seconds one rank comes late to a barrier
+NAME_WIDTH = 30  # the column of the operations' names in the output
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--backend", choices=("gloo", "nccl"), default="nccl" if torch.cuda.is_available() else "gloo",
-        help="gloo for CPU tensors, nccl for CUDA tensors (one GPU per process); default: nccl if CUDA is available",
-    )
-    parser.add_argument("--timeout", type=common.timeout_seconds, default=60.0,
-                        help="seconds a collective waits for a peer before the process group gives up")
-    return parser.parse_args()
+    return argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; no options
 
-
-# --- Printing and checking ------------------------------------------------------------------------------
 
 def fmt(value: object) -> str:
-    """A tensor or array, a list of them, or plain objects, on one short line: 3.0 prints as 3."""
+    """Tensors, arrays, lists of them or plain objects on one short line: 3.0 prints as 3."""
     if isinstance(value, (torch.Tensor, np.ndarray)):
         value = value.tolist()
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(fmt(item) for item in value) + "]"
-    if isinstance(value, float):
-        return f"{value:g}"
-    return repr(value)
-
-
-def to_numpy(value: object) -> object:
-    """Tensors (or lists of tensors) as one numpy array; anything else unchanged."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
-    if isinstance(value, list) and value and all(isinstance(item, torch.Tensor) for item in value):
-        return np.stack([item.detach().cpu().numpy() for item in value])
-    return value
+    return f"{value:g}" if isinstance(value, float) else repr(value)
 
 
 def check(got: object, expected: object, tolerance: float = 0.0) -> bool:
-    """True if `got` equals `expected`: same shape and dtype kind and, with tolerance 0, the same values
-    exactly. Tensors and lists of tensors are compared as numpy arrays, other objects with ==."""
-    got = to_numpy(got)
-    if isinstance(got, np.ndarray) or isinstance(expected, np.ndarray):
-        expected = np.asarray(expected)
-        if not isinstance(got, np.ndarray) or got.shape != expected.shape or got.dtype.kind != expected.dtype.kind:
-            return False
-        if tolerance == 0.0:
-            return bool(np.array_equal(got, expected))
-        return bool(np.allclose(got, expected, rtol=tolerance, atol=tolerance))
-    return got == expected
+    """Tensors (a list is stacked) against numpy: shape, dtype kind and values must match. Objects: ==."""
+    if isinstance(got, list) and got and all(isinstance(item, torch.Tensor) for item in got):
+        got = torch.stack(got)
+    if not isinstance(got, torch.Tensor):
+        return got == expected
+    got, expected = got.numpy(), np.asarray(expected)
+    same_kind = got.shape == expected.shape and got.dtype.kind == expected.dtype.kind
+    return same_kind and bool(np.allclose(got, expected, rtol=tolerance, atol=tolerance))  # 0: exactly equal
 
 
-def line(rank: int, world_size: int, name: str, text: str) -> None:
-    common.print_line(f"[rank {rank}/{world_size}] {name:<{NAME_WIDTH}} {text}")
-
-
-def verdict(ok: bool, expected: object) -> str:
-    return "ok" if ok else f"MISMATCH, expected {fmt(expected)}"
+def line(rank: int, world_size: int, name: str, text: str, ok: bool = True, expected: object = None) -> bool:
+    """Print what this rank holds and, if there is an expected value, whether it is right; return `ok`."""
+    verdict = "" if expected is None else "  ok" if ok else f"  MISMATCH, expected {fmt(expected)}"
+    print(f"[rank {rank}/{world_size}] {name:<{NAME_WIDTH}} {text}{verdict}\n", end="", flush=True)  # one write
+    return ok
 
 
 def report(rank: int, world_size: int, name: str, before: object, after: object, expected: object,
            tolerance: float = 0.0) -> bool:
-    """Print what this rank held before and after an operation; check the result. Returns True if right."""
     ok = check(after, expected, tolerance)
-    line(rank, world_size, name, f"before {fmt(before)}  after {fmt(after)}  {verdict(ok, expected)}")
-    return ok
+    return line(rank, world_size, name, f"before {fmt(before)}  after {fmt(after)}", ok, expected)
 
 
-def labels(rank: int, count: int) -> np.ndarray:
-    """What rank r holds for the operations that move data: 10r, 10r+1, ... so that every number shows
-    where it came from (23 is rank 2's element 3)."""
-    return (10 * rank + np.arange(count)).astype(np.float32)
+def labels(rank: int | np.ndarray, count: int) -> np.ndarray:
+    """Rank r's data to move: 10r, 10r+1, ... (23 is rank 2's element 3). For an array of ranks, a row each."""
+    return np.add.outer(10 * np.asarray(rank), np.arange(count)).astype(np.float32)
 
 
-def addends(rank: int) -> np.ndarray:
-    """What rank r holds for the reductions: small integers, so that every sum and product over up to 8
-    ranks is exact in float32 and the result does not depend on the order in which ranks are added."""
-    return np.array([rank + 1, rank + 2, rank % 3 + 1, 2**rank], dtype=np.float32)
+def addends(rank: int | np.ndarray, dtype: type = np.float32) -> np.ndarray:
+    """Rank r's data to reduce: small integers, whose sums and products over 8 ranks are exact in float32."""
+    return np.stack([rank + 1, rank + 2, rank % 3 + 1, 2**rank], axis=-1).astype(dtype)
 
 
-def every_rank(values: Callable[[int], np.ndarray], world_size: int) -> np.ndarray:
-    """(world_size, ...) array of what each rank starts with: each rank computes it locally."""
-    return np.stack([values(r) for r in range(world_size)])
-
-
-def as_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
-
-
-# --- One demonstration per collective. Each runs on every rank and returns True if its result is right. ---
-
-def demo_broadcast(rank: int, world_size: int, device: torch.device) -> bool:
-    tensor = as_tensor(labels(rank, 3), device)
+def demo_broadcast_and_reduce(rank: int, world_size: int) -> bool:
+    tensor = torch.tensor(labels(rank, 3))
     before = tensor.clone()
-    # Every rank calls it, the source too: the source sends, every other rank overwrites its tensor.
-    dist.broadcast(tensor, src=0)
-    return report(rank, world_size, "broadcast from rank 0", before, tensor, labels(0, 3))
-
-
-def demo_reduce(rank: int, world_size: int, device: torch.device) -> bool:
-    root = world_size - 1  # any rank can be the root
-    tensor = as_tensor(addends(rank), device)
+    dist.broadcast(tensor, src=0)  # the source calls it too: it sends, every other rank overwrites its tensor
+    ok = report(rank, world_size, "broadcast from rank 0", before, tensor, labels(0, 3))
+    root, tensor = world_size - 1, torch.tensor(addends(rank))  # any rank can be the root
     before = tensor.clone()
-    dist.reduce(tensor, dst=root, op=dist.ReduceOp.SUM)
-    if rank != root:
-        # Only the root's tensor is defined afterwards; gloo leaves partial sums in the others.
-        line(rank, world_size, f"reduce SUM to rank {root}", f"before {fmt(before)}  after: only rank {root} has it")
-        return True
-    return report(rank, world_size, f"reduce SUM to rank {root}", before, tensor,
-                  every_rank(addends, world_size).sum(0))
+    dist.reduce(tensor, dst=root)
+    name, expected = f"reduce SUM to rank {root}", addends(np.arange(world_size)).sum(0)
+    if rank != root:  # only the root's result is defined
+        return line(rank, world_size, name, f"before {fmt(before)}  after: at rank {root}") and ok
+    return report(rank, world_size, name, before, tensor, expected) and ok
 
 
-# NCCL has no bitwise reductions; PREMUL_SUM (multiply by a factor, then sum) is made only by the private
-# dist._make_nccl_premul_sum and only nccl runs it.
-REDUCTIONS = {
-    "SUM": lambda a: a.sum(0),
-    "AVG": lambda a: a.sum(0) / len(a),
-    "PRODUCT": lambda a: a.prod(0),
-    "MIN": lambda a: a.min(0),
-    "MAX": lambda a: a.max(0),
-    "BAND": np.bitwise_and.reduce,
-    "BOR": np.bitwise_or.reduce,
-    "BXOR": np.bitwise_xor.reduce,
-}
-BITWISE = ("BAND", "BOR", "BXOR")
-
-
-def demo_all_reduce(rank: int, world_size: int, device: torch.device) -> bool:
+def demo_all_reduce(rank: int, world_size: int) -> bool:
     ok = True
-    for name, reference in REDUCTIONS.items():
-        title = f"all_reduce {name}"
-        if name in BITWISE and dist.get_backend() == "nccl":
-            line(rank, world_size, title, "skipped: NCCL has no bitwise reductions")
-            continue
-        # The bitwise reductions need integers (gloo raises for floats).
-        start = addends(rank).astype(np.int64) if name in BITWISE else addends(rank)
-        tensor = as_tensor(start, device)
+    for name, reference in {"SUM": np.sum, "AVG": np.mean, "PRODUCT": np.prod, "MIN": np.min, "MAX": np.max,
+                            "BAND": np.bitwise_and.reduce, "BOR": np.bitwise_or.reduce,
+                            "BXOR": np.bitwise_xor.reduce}.items():
+        dtype = np.int64 if name.startswith("B") else np.float32  # gloo's bitwise reductions refuse floats
+        tensor = torch.tensor(addends(rank, dtype))
         before = tensor.clone()
         dist.all_reduce(tensor, op=getattr(dist.ReduceOp, name))  # every rank ends with the same result
-        expected = reference(every_rank(addends, world_size).astype(start.dtype))
-        # AVG divides, and nccl may scale before summing: allow float rounding there.
-        ok &= report(rank, world_size, title, before, tensor, expected, tolerance=1e-6 if name == "AVG" else 0.0)
-    line(rank, world_size, "all_reduce PREMUL_SUM", "skipped: made only by a private function, for nccl")
-    return ok
-
-
-def demo_all_gather(rank: int, world_size: int, device: torch.device) -> bool:
-    tensor = as_tensor(labels(rank, 2), device)
-    # One output slot per rank, each the shape of the input: the list is sized by the world size.
-    gathered = [torch.empty_like(tensor) for _ in range(world_size)]
-    dist.all_gather(gathered, tensor)
-    ok = report(rank, world_size, "all_gather", tensor, gathered, every_rank(lambda r: labels(r, 2), world_size))
-    # The same into one tensor of world_size × the input's length (in torch < 2.13: all_gather_into_tensor,
-    # still there but deprecated). No list of small tensors: what DDP and FSDP use.
-    flat = torch.empty(world_size * tensor.numel(), dtype=tensor.dtype, device=device)
-    dist.all_gather_single(flat, tensor)
-    expected = np.concatenate([labels(r, 2) for r in range(world_size)])
-    return report(rank, world_size, "all_gather_single", tensor, flat, expected) and ok
-
-
-def demo_gather(rank: int, world_size: int, device: torch.device) -> bool:
-    root = 0
-    tensor = as_tensor(labels(rank, 2), device)
-    # Only the root passes a list to fill; every other rank passes None (and still calls gather).
-    gathered = [torch.empty_like(tensor) for _ in range(world_size)] if rank == root else None
-    dist.gather(tensor, gather_list=gathered, dst=root)
-    if rank != root:
-        line(rank, world_size, f"gather to rank {root}", f"before {fmt(tensor)}  after: sent to rank {root}")
-        return True
-    return report(rank, world_size, f"gather to rank {root}", tensor, gathered,
-                  every_rank(lambda r: labels(r, 2), world_size))
-
-
-def demo_scatter(rank: int, world_size: int, device: torch.device) -> bool:
-    root = 0
-    # The root holds one piece per rank and keeps piece `root` itself; the others only receive.
-    pieces = [as_tensor(labels(r, 2), device) for r in range(world_size)] if rank == root else None
-    received = torch.zeros(2, device=device)
-    before = pieces if rank == root else received.clone()
-    dist.scatter(received, scatter_list=pieces, src=root)
-    return report(rank, world_size, f"scatter from rank {root}", before, received, labels(rank, 2))
-
-
-def demo_reduce_scatter(rank: int, world_size: int, device: torch.device) -> bool:
-    # Every rank holds one piece per rank; rank i receives the sum over ranks of everybody's piece i.
-    def pieces_of(r: int) -> np.ndarray:
-        return labels(r, world_size)  # piece i of rank r is the number 10r + i
-
-    expected = every_rank(pieces_of, world_size).sum(0)[rank : rank + 1]
-    inputs = [as_tensor(piece, device) for piece in pieces_of(rank).reshape(world_size, 1)]
-    output = torch.zeros(1, device=device)
-    dist.reduce_scatter(output, inputs, op=dist.ReduceOp.SUM)
-    ok = report(rank, world_size, "reduce_scatter SUM", inputs, output, expected)
-    # The same from one tensor of world_size pieces (in torch < 2.13: reduce_scatter_tensor). It is the first
-    # half of an all-reduce: afterwards each rank holds the complete sum of one piece.
-    flat = as_tensor(pieces_of(rank), device)
-    output = torch.zeros(1, device=device)
-    dist.reduce_scatter_single(output, flat, op=dist.ReduceOp.SUM)
-    return report(rank, world_size, "reduce_scatter_single SUM", flat, output, expected) and ok
-
-
-def demo_all_to_all(rank: int, world_size: int, device: torch.device) -> bool:
-    # Rank r sends its piece i (the number 10r + i) to rank i: afterwards rank i holds piece i of every
-    # rank, in rank order. A transpose of the (ranks × pieces) table.
-    sent = [as_tensor(piece, device) for piece in labels(rank, world_size).reshape(world_size, 1)]
-    received = [torch.zeros(1, device=device) for _ in range(world_size)]
-    dist.all_to_all(received, sent)
-    expected = every_rank(lambda r: labels(r, world_size), world_size)[:, rank : rank + 1]
-    ok = report(rank, world_size, "all_to_all", sent, received, expected)
-    # The same with one tensor in and one out, split evenly (input_split_sizes allow uneven pieces).
-    flat_sent = as_tensor(labels(rank, world_size), device)
-    flat_received = torch.zeros(world_size, device=device)
-    dist.all_to_all_single(flat_received, flat_sent)
-    return report(rank, world_size, "all_to_all_single", flat_sent, flat_received, expected.reshape(-1)) and ok
-
-
-def timed_barrier(rank: int, world_size: int, device: torch.device, late_rank: int, barrier: Callable[[], None]):
-    """Seconds this rank spent from a common start to leaving `barrier`, when `late_rank` arrives
-    BARRIER_DELAY late. A barrier lets nobody leave before everybody has arrived."""
-    dist.all_reduce(torch.zeros(1, device=device))  # line the ranks up, so that they start the clock together
-    start = time.monotonic()
-    if rank == late_rank:
-        time.sleep(BARRIER_DELAY)
-    barrier()
-    return time.monotonic() - start
-
-
-def demo_barrier(rank: int, world_size: int, device: torch.device) -> bool:
-    late_rank = 0
-    waited = timed_barrier(rank, world_size, device, late_rank, dist.barrier)
-    # Half the delay leaves room for the ranks leaving the lining-up all_reduce at slightly different times.
-    ok = waited >= BARRIER_DELAY / 2
-    line(rank, world_size, f"barrier, rank {late_rank} late", f"left after {waited:.2f} s  "
-         f"{verdict(ok, f'at least {BARRIER_DELAY / 2} s')}")
-    return ok
-
-
-def demo_monitored_barrier(rank: int, world_size: int, device: torch.device) -> bool:
-    # Rank 0 waits for every other rank with a timeout and, if one does not come, raises naming it
-    # (wait_all_ranks=True: all of them) instead of hanging. Only gloo implements it: with nccl, a gloo
-    # group beside the nccl one (new_group, like every group, is called by every rank).
-    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-    late_rank = world_size - 1
-
-    def barrier() -> None:
-        dist.monitored_barrier(group=group, timeout=timedelta(seconds=10 * BARRIER_DELAY), wait_all_ranks=True)
-
-    waited = timed_barrier(rank, world_size, device, late_rank, barrier)
-    ok = waited >= BARRIER_DELAY / 2
-    line(rank, world_size, f"monitored_barrier, rank {late_rank} late", f"left after {waited:.2f} s  "
-         f"{verdict(ok, f'at least {BARRIER_DELAY / 2} s')}")
-    return ok
-
-
-def demo_objects(rank: int, world_size: int, device: torch.device) -> bool:
-    """Collectives of picklable Python objects. Pickled into byte tensors and sent twice (sizes, then
-    bytes): for small metadata, never for tensors. Unpickling can run code: only between trusted peers."""
-    def mine(r: int) -> dict:
-        return {"rank": r, "square": r * r}
-
-    objects = [f"from rank {rank}", mine(rank)]  # the same length on every rank
-    before = list(objects)
-    dist.broadcast_object_list(objects, src=0)
-    ok = report(rank, world_size, "broadcast_object_list from 0", before, objects, ["from rank 0", mine(0)])
-
-    gathered = [None] * world_size
-    dist.all_gather_object(gathered, mine(rank))
-    ok &= report(rank, world_size, "all_gather_object", mine(rank), gathered, [mine(r) for r in range(world_size)])
-
-    gathered = [None] * world_size if rank == 0 else None
-    dist.gather_object(mine(rank), gathered, dst=0)
-    if rank == 0:
-        ok &= report(rank, world_size, "gather_object to rank 0", mine(rank), gathered,
-                     [mine(r) for r in range(world_size)])
-    else:
-        line(rank, world_size, "gather_object to rank 0", f"before {fmt(mine(rank))}  after: sent to rank 0")
-
-    received = [None]
-    pieces = [f"for rank {r}" for r in range(world_size)] if rank == 0 else None
-    dist.scatter_object_list(received, pieces, src=0)
-    ok &= report(rank, world_size, "scatter_object_list from 0", pieces if rank == 0 else [None], received,
-                 [f"for rank {rank}"])
-    return ok
-
-
-def demo_async(rank: int, world_size: int, device: torch.device) -> bool:
-    tensor = as_tensor(addends(rank), device)
+        expected = reference(addends(np.arange(world_size), dtype), axis=0).astype(dtype)
+        ok &= report(rank, world_size, f"all_reduce {name}", before, tensor, expected)
+    tensor = torch.tensor(addends(rank))
     before = tensor.clone()
     work = dist.all_reduce(tensor, async_op=True)  # returns at once; the communication runs in the background
-    # Work that does not touch `tensor` overlaps with the communication, here the reference answer. Until
-    # wait() returns, `tensor` belongs to the all-reduce: reading it may see partial sums, and writing it
-    # may change what is sent.
-    expected = every_rank(addends, world_size).sum(0)
-    work.wait()  # with nccl: makes the current CUDA stream wait, so kernels queued after it see the result
-    return report(rank, world_size, "all_reduce async_op=True", before, tensor, expected)
+    expected = addends(np.arange(world_size)).sum(0)  # work that leaves `tensor` alone overlaps with it
+    work.wait()  # before it returns, `tensor` may hold partial sums, and writing it may change what is sent
+    return report(rank, world_size, "all_reduce async_op=True", before, tensor, expected) and ok
 
 
-# --- A ring all-reduce from point-to-point messages ----------------------------------------------------------
+def demo_gathers(rank: int, world_size: int) -> bool:
+    tensor, expected = torch.tensor(labels(rank, 2)), labels(np.arange(world_size), 2)
+    gathered = [torch.empty_like(tensor) for _ in range(world_size)]  # one slot per rank
+    dist.all_gather(gathered, tensor)
+    ok = report(rank, world_size, "all_gather", tensor, gathered, expected)
+    flat = torch.empty(world_size * tensor.numel())
+    dist.all_gather_single(flat, tensor)  # one flat tensor, as FSDP gathers (all_gather_into_tensor: deprecated)
+    ok &= report(rank, world_size, "all_gather_single", tensor, flat, expected.reshape(-1))
+    gathered = [torch.empty_like(tensor) for _ in range(world_size)] if rank == 0 else None
+    dist.gather(tensor, gather_list=gathered, dst=0)  # only the root passes a list; the others pass None, and call
+    ok &= report(rank, world_size, "gather to rank 0", tensor, gathered, expected if rank == 0 else None)
+    pieces, received = list(torch.tensor(expected)) if rank == 0 else None, torch.zeros(2)
+    dist.scatter(received, scatter_list=pieces, src=0)  # rank r receives piece r, the root too
+    return report(rank, world_size, "scatter from rank 0", pieces, received, labels(rank, 2)) and ok
 
-def _exchange(send: torch.Tensor, recv: torch.Tensor, next_rank: int, prev_rank: int,
-              group: dist.ProcessGroup | None) -> list[dist.Work]:
-    """Start sending `send` to the next rank and receiving `recv` from the previous one; return the works."""
-    ops = []
-    # Both ends skip an empty piece: they agree on every piece's size, and an empty message is wasted latency.
-    # (So with fewer elements than ranks, some ranks sit out some steps. With nccl that is allowed only once
-    # the group has run some other operation, which the batch_isend_irecv docs ask of partial batches.)
-    if recv.numel() > 0:  # posted first, so that the neighbour's data can land as soon as it arrives
-        ops.append(dist.P2POp(dist.irecv, recv, group=group, group_peer=prev_rank))
-    if send.numel() > 0:
-        ops.append(dist.P2POp(dist.isend, send, group=group, group_peer=next_rank))
-    # Send and receive are started together. Were every rank to call a blocking send first, each would wait
-    # for its neighbour to receive, and none would: a deadlock. (With nccl the batch is one grouped launch.)
+
+def demo_reduce_scatter_and_all_to_all(rank: int, world_size: int) -> bool:
+    # Rank r holds one piece per rank, 10r + i: rows of a (ranks x pieces) table.
+    table, flat = labels(np.arange(world_size), world_size), torch.tensor(labels(rank, world_size))
+    pieces, output = list(flat.view(world_size, 1)), torch.zeros(1)
+    dist.reduce_scatter(output, pieces)  # rank i receives the sum of every rank's piece i
+    ok = report(rank, world_size, "reduce_scatter SUM", pieces, output, table.sum(0)[rank : rank + 1])
+    output = torch.zeros(1)
+    dist.reduce_scatter_single(output, flat)  # an all-reduce's first half (reduce_scatter_tensor: deprecated)
+    ok &= report(rank, world_size, "reduce_scatter_single SUM", flat, output, table.sum(0)[rank : rank + 1])
+    received = [torch.zeros(1) for _ in range(world_size)]
+    dist.all_to_all(received, pieces)  # rank r sends its piece i to rank i: a transpose of the table
+    ok &= report(rank, world_size, "all_to_all", pieces, received, table[:, rank : rank + 1])
+    received = torch.zeros(world_size)
+    dist.all_to_all_single(received, flat)  # input_split_sizes would allow uneven pieces
+    return report(rank, world_size, "all_to_all_single", flat, received, table[:, rank]) and ok
+
+
+def demo_barriers(rank: int, world_size: int) -> bool:
+    """Nobody leaves a barrier before all have come. monitored_barrier (gloo only) also names the late ranks."""
+    barriers = {"barrier": dist.barrier, "monitored_barrier": lambda: dist.monitored_barrier(
+        timeout=timedelta(seconds=10 * BARRIER_DELAY), wait_all_ranks=True)}
+    ok = True
+    for (name, barrier), late_rank in zip(barriers.items(), (0, world_size - 1), strict=True):
+        dist.all_reduce(torch.zeros(1))  # lines the ranks up: they start the clock together
+        start = time.monotonic()
+        if rank == late_rank:
+            time.sleep(BARRIER_DELAY)
+        barrier()
+        waited = time.monotonic() - start  # at least half: ranks leave the lining-up at different times
+        ok &= line(rank, world_size, f"{name}, rank {late_rank} late", f"left after {waited:.2f} s",
+                   waited >= BARRIER_DELAY / 2, f"at least {BARRIER_DELAY / 2} s")
+    return ok
+
+
+def demo_objects(rank: int, world_size: int) -> bool:
+    """Picklable objects, sent as byte tensors: for small metadata, between trusted peers (unpickling runs code)."""
+    every = [{"rank": r, "square": r * r} for r in range(world_size)]
+    objects = [f"from rank {rank}", every[rank]]
+    before = list(objects)
+    dist.broadcast_object_list(objects, src=0)
+    ok = report(rank, world_size, "broadcast_object_list from 0", before, objects, ["from rank 0", every[0]])
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, every[rank])
+    ok &= report(rank, world_size, "all_gather_object", every[rank], gathered, every)
+    gathered = [None] * world_size if rank == 0 else None
+    dist.gather_object(every[rank], gathered, dst=0)
+    ok &= report(rank, world_size, "gather_object to rank 0", every[rank], gathered, every if rank == 0 else None)
+    received, pieces = [None], [f"for rank {r}" for r in range(world_size)] if rank == 0 else None
+    dist.scatter_object_list(received, pieces, src=0)
+    return report(rank, world_size, "scatter_object_list from 0", pieces, received, [f"for rank {rank}"]) and ok
+
+
+def exchange(send: torch.Tensor, recv: torch.Tensor, next_rank: int, prev_rank: int,
+             group: dist.ProcessGroup | None) -> list[dist.Work]:
+    """Send to the next rank and receive from the previous one together: were every rank to send first, each
+    would wait for its neighbour to receive, and none would. Both ends skip empty pieces (they agree on sizes)."""
+    ops = [dist.P2POp(dist.irecv, recv, group=group, group_peer=prev_rank)] if recv.numel() else []
+    ops += [dist.P2POp(dist.isend, send, group=group, group_peer=next_rank)] if send.numel() else []
     return dist.batch_isend_irecv(ops) if ops else []
 
 
-_scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def scratch_space(like: torch.Tensor, rows: int, row_length: int) -> torch.Tensor:
-    """A (rows, row_length) buffer of like's dtype and device, the same memory from call to call. A fresh
-    buffer of megabytes is new memory that the OS maps a page at a time on first touch: on a CPU those page
-    faults cost up to a fifth of the all-reduce. (PyTorch's caching allocator already does this on GPUs.)
-    Not for calls from several threads at once."""
-    key = (like.dtype, like.device)
-    if key not in _scratch or _scratch[key].numel() < rows * row_length:
-        _scratch[key] = like.new_empty(rows * row_length)
-    return _scratch[key][: rows * row_length].view(rows, row_length)
+_scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # kept between calls: see ring_all_reduce
 
 
 def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
-    """Sum `tensor` over the ranks of `group`, in place, like dist.all_reduce(tensor), from point-to-point
-    messages only.
+    """Sum `tensor` over the ranks of `group` in place, as dist.all_reduce(tensor), from messages only.
 
-    The flattened tensor is cut into n chunks (n = world size). Reduce-scatter, n-1 steps: at step s rank r
-    sends chunk (r - s) mod n to rank r+1 and receives chunk (r - s - 1) mod n from rank r-1, adding its own
-    part to it; afterwards rank r holds the complete sum of chunk (r + 1) mod n. All-gather, n-1 steps: each
-    rank passes on the complete chunk it received last. Every rank sends 2(n-1) chunks, 2(n-1)/n of the
-    tensor, the least that any all-reduce must send (Patarasuk and Yuan 2009): less than twice the tensor,
-    however many ranks there are. Big chunks go in segments of SEGMENT_BYTES, two in flight, so that adding
-    one segment overlaps with receiving the next (gloo and NCCL do the same).
+    The flat tensor is cut into n chunks (n ranks). Reduce-scatter, n-1 steps: at step s rank r sends chunk
+    (r - s) mod n to rank r+1 and receives chunk (r - s - 1) mod n, adding its own part; then rank r holds the
+    sum of chunk (r + 1) mod n. All-gather, n-1 steps: each rank passes on the complete chunk it got last.
+    Every rank sends 2(n-1)/n of the tensor, the least any all-reduce can (Patarasuk and Yuan 2009). Big
+    chunks go in segments of SEGMENT_BYTES, two in flight: adding one overlaps with receiving the next.
     """
-    world_size = dist.get_world_size(group)
-    rank = dist.get_rank(group)
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     if world_size == 1 or tensor.numel() == 0:
         return
     next_rank, prev_rank = (rank + 1) % world_size, (rank - 1) % world_size
-    # A view shares the tensor's memory, so results land in place; a non-contiguous tensor needs a copy.
-    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.flatten()
-    # Views, not copies, so messages go straight from and into the tensor. Sizes differ by at most one
-    # element (the first numel % n chunks are longer); with fewer elements than ranks some are empty.
+    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.flatten()  # a view: results land in place
+    # Views: messages go straight from and into the tensor. The first numel % n are one longer; some may be empty.
     chunks = flat.tensor_split(world_size)
     segments = max(1, math.ceil(chunks[0].numel() * flat.element_size() / SEGMENT_BYTES))
-    # Received partial sums land here, not in the chunk, which still holds this rank's addend: room for the
-    # two segments in flight, not for a whole chunk.
-    scratch = scratch_space(flat, min(segments, 2), math.ceil(chunks[0].numel() / segments))
-
+    # Partial sums arrive here, beside this rank's addend: room for the two segments in flight. The same
+    # memory from call to call: a fresh buffer page-faults in on every call, up to a fifth of the time on CPU.
+    rows, row_length = min(segments, 2), math.ceil(chunks[0].numel() / segments)
+    key = (flat.dtype, flat.device)
+    if key not in _scratch or _scratch[key].numel() < rows * row_length:
+        _scratch[key] = flat.new_empty(rows * row_length)
+    scratch = _scratch[key][: rows * row_length].view(rows, row_length)
     for step in range(world_size - 1):  # reduce-scatter
         sends = chunks[(rank - step) % world_size].tensor_split(segments)
         recvs = chunks[(rank - step - 1) % world_size].tensor_split(segments)
         incoming = [scratch[k % 2, : part.numel()] for k, part in enumerate(recvs)]
-        works = _exchange(sends[0], incoming[0], next_rank, prev_rank, group)
+        works = [exchange(sends[0], incoming[0], next_rank, prev_rank, group)]
         for k in range(segments):
-            current = works
-            if k + 1 < segments:  # start the next segment now, so that it travels while this one is added
-                works = _exchange(sends[k + 1], incoming[k + 1], next_rank, prev_rank, group)
-            for work in current:
+            if k + 1 < segments:  # the next segment travels while this one is added
+                works.append(exchange(sends[k + 1], incoming[k + 1], next_rank, prev_rank, group))
+            for work in works[k]:
                 work.wait()  # the segment has arrived (and ours has left): only now may it be read
             recvs[k].add_(incoming[k])
-
     for step in range(world_size - 1):  # all-gather: complete chunks are received where they belong
-        works = _exchange(chunks[(rank + 1 - step) % world_size], chunks[(rank - step) % world_size],
-                          next_rank, prev_rank, group)
-        for work in works:
+        for work in exchange(chunks[(rank + 1 - step) % world_size], chunks[(rank - step) % world_size],
+                             next_rank, prev_rank, group):
             work.wait()  # the next step forwards what this one received
-
     if not tensor.is_contiguous():
         tensor.copy_(flat.view_as(tensor))
 
 
-def demo_ring_all_reduce(rank: int, world_size: int, device: torch.device) -> bool:
-    # 7 elements: chunks of unequal size for most world sizes, and empty ones beyond 7 ranks.
-    start = (np.arange(7) + 10 * rank).astype(np.float32)
-    tensor = as_tensor(start, device)
+def demo_ring_all_reduce(rank: int, world_size: int) -> bool:
+    tensor = torch.tensor(labels(rank, 7))  # 7: chunks of unequal sizes at most world sizes
     before = tensor.clone()
     ring_all_reduce(tensor)
-    expected = every_rank(lambda r: (np.arange(7) + 10 * r).astype(np.float32), world_size).sum(0)
-    return report(rank, world_size, "ring_all_reduce (hand-written)", before, tensor, expected)
+    return report(rank, world_size, "ring_all_reduce (hand-written)", before, tensor,
+                  labels(np.arange(world_size), 7).sum(0))
 
-
-# --- The data-parallel step by hand, as in PyTorch's distributed tutorial, against DDP ----------------------
 
 def average_gradients(model: torch.nn.Module) -> None:
-    """After backward, each rank's gradients come from its own batch. Summing them over the ranks and
-    dividing by the world size gives every rank the gradient of the loss over all batches, so every
-    replica takes the same step. DDP does this too, overlapped with backward, in buckets."""
-    world_size = dist.get_world_size()
+    """After backward each rank's gradients are its own batch's; their mean over the ranks is the gradient
+    over every batch, so every replica takes the same step. DDP does this overlapped with backward."""
     for param in model.parameters():
-        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
-        param.grad /= world_size
+        dist.all_reduce(param.grad)
+        param.grad /= dist.get_world_size()
 
 
-def demo_data_parallel(rank: int, world_size: int, device: torch.device) -> bool:
+def demo_data_parallel(rank: int, world_size: int) -> bool:
+    train_set, _ = make_datasets(16 * world_size, 1)
     torch.manual_seed(0)  # the same initial weights on every rank
-    by_hand = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to(device)
-    ddp = DDP(copy.deepcopy(by_hand), device_ids=[device.index] if device.type == "cuda" else None)
+    by_hand = build_model()
+    ddp = DDP(copy.deepcopy(by_hand))
     optimizers = [torch.optim.SGD(model.parameters(), lr=0.1) for model in (by_hand, ddp)]
-    before = by_hand[0].weight[0, :3].clone()
-    batches = torch.Generator().manual_seed(1000 + rank)  # a different batch on every rank
+    x, y = train_set[16 * rank : 16 * (rank + 1)]  # a batch of its own on every rank
     for _ in range(3):
-        x = torch.randn(16, 8, generator=batches).to(device)
-        y = x.sum(dim=1, keepdim=True)
         for model, optimizer in zip((by_hand, ddp), optimizers, strict=True):
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()  # DDP averages the gradients here
             if model is by_hand:
                 average_gradients(model)  # by hand: after backward, before the step
             optimizer.step()
-    mine = torch.cat([p.detach().reshape(-1) for p in by_hand.parameters()])
-    theirs = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
-    # DDP divides before summing, by hand after: the same up to float rounding.
-    ok = check(mine, to_numpy(theirs), tolerance=1e-5)
-    line(rank, world_size, "by hand vs DDP, 3 steps", f"weights before {fmt(before)}  after by hand "
-         f"{fmt(by_hand[0].weight[0, :3])}  DDP {fmt(ddp.module[0].weight[0, :3])}  {verdict(ok, 'the same')}")
-    # Every replica must hold exactly the same weights, or they drift apart from here on.
+    mine, theirs = (torch.cat([p.detach().flatten() for p in m.parameters()]) for m in (by_hand, ddp.module))
+    ok = line(rank, world_size, "by hand vs DDP, 3 steps", f"by hand {fmt(mine[:3])}  DDP {fmt(theirs[:3])}",
+              check(mine, theirs.numpy(), tolerance=1e-5), "the same")  # DDP divides before summing, by hand after
     replicas = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(replicas, mine)
+    dist.all_gather(replicas, mine)  # replicas that differ by a bit drift apart from here on
     same = all(torch.equal(replica, mine) for replica in replicas)
-    line(rank, world_size, "replicas after 3 steps", f"{'identical' if same else 'different'} on {world_size} "
-         f"ranks  {verdict(same, 'identical')}")
-    return ok and same
+    return line(rank, world_size, "replicas after 3 steps", f"{'identical' if same else 'different'} on "
+                f"{world_size} ranks", same, "identical") and ok
 
 
-DEMOS = (demo_broadcast, demo_reduce, demo_all_reduce, demo_all_gather, demo_gather, demo_scatter,
-         demo_reduce_scatter, demo_all_to_all, demo_barrier, demo_monitored_barrier, demo_objects, demo_async,
-         demo_ring_all_reduce, demo_data_parallel)
+DEMOS = (demo_broadcast_and_reduce, demo_all_reduce, demo_gathers, demo_reduce_scatter_and_all_to_all, demo_barriers,
+         demo_objects, demo_ring_all_reduce, demo_data_parallel)
 
 
 def main() -> None:
-    args = parse_args()
-    launched = common.launcher_env()  # None without a launcher; one line if its variables are incomplete
-    if launched is None:
-        common.die("start this script with torchrun, e.g. torchrun --standalone --nproc-per-node 4 comm_collectives.py")
-    rank, local_rank, world_size = launched
-    if args.backend == "nccl":
-        if not torch.cuda.is_available():
-            common.die("--backend nccl needs CUDA GPUs and this machine has none: use --backend gloo")
-        # nccl works on tensors in GPU memory: one GPU per process, chosen by the rank on this node, and set
-        # before init_process_group so that the communicator is built on it.
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-
-    dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
+    parse_args()
+    if "RANK" not in os.environ:  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+        raise SystemExit("error: start this script with torchrun, e.g. torchrun --standalone --nproc-per-node 4 "
+                         "comm_collectives.py")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)  # env://: meets at MASTER_ADDR:MASTER_PORT
     try:
-        failures = 0
+        total = torch.zeros((), dtype=torch.int64)  # mismatches
         for demo in DEMOS:
-            failures += not demo(rank, world_size, device)
-            # Not needed by the collectives: it keeps each operation's lines together in the output.
-            dist.barrier()
-        # Every rank must learn whether any rank saw a mismatch, so that all of them exit with the same status.
-        total = torch.tensor([failures], device=device)
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            total += not demo(rank, world_size)
+            dist.barrier()  # not needed by the collectives: it keeps each demo's lines together in the output
+        dist.all_reduce(total)  # every rank learns of any mismatch, so all of them exit with the same status
         if rank == 0:
-            common.print_line(f"{total.item()} mismatches on {world_size} ranks" if total.item() else
-                              f"all results match on {world_size} ranks")
+            print(f"{total.item()} mismatches" if total.item() else "all results match", f"on {world_size} ranks")
     finally:
         dist.destroy_process_group()
     if total.item():
@@ -503,4 +298,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    common.exit_now()  # skips the interpreter's teardown of torch (see common)

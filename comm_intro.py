@@ -1,207 +1,158 @@
-"""First steps with torch.distributed: messages between two ranks, the first collective, a group of some of
-the ranks, and the three ways for processes to find each other.
+"""First steps with torch.distributed: messages between ranks, the first collective, a group of some of the
+ranks, and the three ways for processes to find each other. Next: comm_collectives.py. In docs/communication.md.
 
-Every rank prints what it sends and receives, prefixed with its rank, and checks what it received against
-the value it knows to expect; a mismatch makes every rank exit with status 1. Point-to-point messages need a
-partner, so with one process those parts say so and are skipped. Next: comm_collectives.py, every collective.
+Every rank prints what it received, prefixed `[rank r/w]`, and checks it against the value it knows to
+expect; a mismatch on any rank makes every rank exit with status 1. With one process the messages, which
+need a partner, are skipped.
 
-    torchrun --standalone --nproc-per-node 4 comm_intro.py       # any count from 1 to 8; gloo on CPU
-    torchrun --standalone --nproc-per-node 2 comm_intro.py --backend nccl   # one GPU per process
-
-Started with plain python, it prints how to launch it and exits with status 2.
-Explained in docs/communication.md.
+    torchrun --standalone --nproc-per-node 4 comm_intro.py  # any number of processes, gloo on CPUs
 """
 import argparse
 import os
+import socket
 import tempfile
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-import common
-
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--backend", choices=("gloo", "nccl"), default="nccl" if torch.cuda.is_available() else "gloo",
-        help="gloo for CPU tensors, nccl for CUDA tensors (one GPU per process); default: nccl if CUDA is available",
-    )
-    parser.add_argument("--timeout", type=common.timeout_seconds, default=60.0,
-                        help="seconds a collective waits for a peer before the process group gives up")
-    return parser.parse_args()
+    return argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; no options
 
 
 def say(rank: int, world_size: int, text: str) -> None:
-    common.print_line(f"[rank {rank}/{world_size}] {text}")
+    print(f"[rank {rank}/{world_size}] {text}\n", end="", flush=True)  # one write: ranks' lines never run together
 
 
-def fmt(tensor: torch.Tensor) -> str:
-    return "[" + ", ".join(f"{value:g}" for value in tensor.tolist()) + "]"
+def fmt(values: torch.Tensor | list[float]) -> str:
+    return "[" + ", ".join(f"{value:g}" for value in (values.tolist() if torch.is_tensor(values) else values)) + "]"
 
 
 def check(rank: int, world_size: int, what: str, got: torch.Tensor, expected: list[float]) -> bool:
     """Print what this rank holds and whether it is what it should be; return True if it is."""
     ok = got.tolist() == expected
-    verdict = "ok" if ok else "MISMATCH, expected [" + ", ".join(f"{value:g}" for value in expected) + "]"
-    say(rank, world_size, f"{what}: {fmt(got)}  {verdict}")
+    say(rank, world_size, f"{what}: {fmt(got)}  {'ok' if ok else 'MISMATCH, expected ' + fmt(expected)}")
     return ok
 
 
-def blocking_send_recv(rank: int, world_size: int, device: torch.device) -> bool:
+def blocking_send_recv(rank: int, world_size: int) -> bool:
     """Rank 0 sends every other rank a message of its own; each of them receives it."""
     if rank == 0:
         for dst in range(1, world_size):
-            message = torch.full((3,), 100.0 + dst, device=device)
-            # Returns once the message has been handed over; after that `message` may be changed or freed.
-            dist.send(message, dst=dst)
+            message = torch.full((3,), 100.0 + dst)
+            dist.send(message, dst=dst)  # returns once the message is handed over: `message` may then change
             say(rank, world_size, f"send to rank {dst}: {fmt(message)}")
         return True
-    # Only the bytes travel, not the shape or the dtype: the receiver allocates a tensor of the sender's shape
-    # and dtype beforehand, and recv fills it in place. A different size makes gloo fail.
-    message = torch.zeros(3, device=device)
+    # Only the bytes travel: the receiver allocates the sender's shape and dtype, and recv fills it in place.
+    message = torch.zeros(3)
     dist.recv(message, src=0)  # blocks until the message is here
     return check(rank, world_size, "recv from rank 0", message, [100.0 + rank] * 3)
 
 
-def nonblocking_send_recv(rank: int, world_size: int, device: torch.device) -> bool:
+def nonblocking_send_recv(rank: int, world_size: int) -> bool:
     """Every other rank sends rank 0 a message at once; rank 0 waits for all of them together."""
     if rank != 0:
-        message = torch.tensor([rank, rank * rank], dtype=torch.float32, device=device)
+        message = torch.tensor([rank, rank * rank], dtype=torch.float32)
         work = dist.isend(message, dst=0)  # returns at once: the send goes on in the background
-        # Until wait() returns the send may still be reading `message`: changing it now could change what
-        # arrives, and freeing it could send garbage. Here we only wait.
-        work.wait()
+        work.wait()  # until then the send may still read `message`: changing it could change what arrives
         say(rank, world_size, f"isend to rank 0: {fmt(message)}")
         return True
-    inbox = {src: torch.zeros(2, device=device) for src in range(1, world_size)}
+    inbox = {src: torch.zeros(2) for src in range(1, world_size)}
     works = [dist.irecv(buffer, src=src) for src, buffer in inbox.items()]  # all posted before waiting on any
     for work in works:
-        work.wait()  # before this returns a receive buffer may hold anything, also half a message
-    results = [check(rank, world_size, f"irecv from rank {src}", buffer, [src, src * src])
-               for src, buffer in inbox.items()]
-    return all(results)
+        work.wait()  # until then a receive buffer may hold anything, also half a message
+    return all([check(rank, world_size, f"irecv from rank {src}", buffer, [src, src * src])
+                for src, buffer in inbox.items()])
 
 
-def ring_exchange(rank: int, world_size: int, device: torch.device) -> bool:
+def ring_exchange(rank: int, world_size: int) -> bool:
     """Every rank sends to the next rank and receives from the previous one, all at the same time."""
     next_rank, prev_rank = (rank + 1) % world_size, (rank - 1) % world_size  # the same rank when there are two
-    outgoing = torch.full((2,), float(rank), device=device)
-    incoming = torch.zeros(2, device=device)
+    outgoing, incoming = torch.full((2,), float(rank)), torch.zeros(2)
     ops = [dist.P2POp(dist.isend, outgoing, next_rank), dist.P2POp(dist.irecv, incoming, prev_rank)]
-    # With blocking calls every rank would sit in send() waiting for its neighbour to receive, and none would
-    # get to recv(): a cycle of waits, a deadlock. batch_isend_irecv starts all of them together (with nccl,
-    # as one group, which nccl needs for sends and receives that depend on each other).
+    # With blocking calls every rank would sit in send() until its neighbour receives, and none would get to
+    # recv(): a deadlock. batch_isend_irecv starts both together.
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     return check(rank, world_size, f"ring: sent {fmt(outgoing)} to rank {next_rank}, got from rank {prev_rank}",
                  incoming, [float(prev_rank)] * 2)
 
 
-def first_all_reduce(rank: int, world_size: int, device: torch.device) -> bool:
+def first_all_reduce(rank: int, world_size: int) -> bool:
     """Every rank contributes rank + 1 and every rank receives the sum, then the mean."""
     ok = True
     sum_of_ranks = world_size * (world_size + 1) / 2  # 1 + 2 + ... + world_size
     for op, expected in ((dist.ReduceOp.SUM, sum_of_ranks), (dist.ReduceOp.AVG, sum_of_ranks / world_size)):
-        tensor = torch.tensor([rank + 1.0], device=device)
+        tensor = torch.tensor([rank + 1.0])
         before = fmt(tensor)
-        # Every rank must call it, with a tensor of the same shape and dtype: the ones that do not are waited
-        # for until the timeout. The result replaces the tensor, on every rank.
-        dist.all_reduce(tensor, op=op)
+        dist.all_reduce(tensor, op=op)  # every rank calls it, with one shape and dtype; the result replaces tensor
         ok &= check(rank, world_size, f"all_reduce {op.name}: before {before}, after", tensor, [expected])
     return ok
 
 
-def subgroup(rank: int, world_size: int, device: torch.device) -> bool:
+def subgroup(rank: int, world_size: int) -> bool:
     """A group of the even ranks, and an all_reduce among them only."""
     members = list(range(0, world_size, 2))
-    # Every rank calls new_group with the same list, also the ranks left out: making a group is collective.
-    group = dist.new_group(ranks=members)
+    group = dist.new_group(ranks=members)  # every rank calls it, also those left out: making a group is collective
     if rank not in members:
         say(rank, world_size, f"new_group {members}: not a member, so it takes no part in the group's all_reduce")
         return True
-    tensor = torch.tensor([float(rank)], device=device)
-    dist.all_reduce(tensor, group=group)  # collectives on a group involve only its members
+    tensor = torch.tensor([float(rank)])
+    dist.all_reduce(tensor, group=group)  # only the group's members take part
     return check(rank, world_size, f"all_reduce in new_group {members} (rank {dist.get_rank(group)} there)",
                  tensor, [float(sum(members))])
 
 
-def rendezvous(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> bool:
-    """The group so far came from env://. Make it again with tcp:// and then file://."""
-    # The other two ways need a port and a file that every rank knows: rank 0 chooses them and the env://
-    # group carries them to the others.
+def rendezvous(rank: int, world_size: int) -> bool:
+    """The group so far came from env://. Make it again with tcp:// and then with file://."""
+    choice = [None, None]
     if rank == 0:
-        # file:// wants a file that does not exist or is empty, on a file system all ranks see (one host, or
-        # a shared one). The store deletes it when the last rank leaves.
+        with socket.socket() as sock:  # a port free now: a fixed one may be another job's
+            sock.bind((os.environ["MASTER_ADDR"], 0))
+            choice[0] = sock.getsockname()[1]
+        # file://: a file every rank sees (one host, or a shared file system); Windows: file:///C:/path/to/file
         with tempfile.NamedTemporaryFile(prefix="comm_intro_", delete=False) as file:
-            choice = [common.free_port(), file.name]
-    else:
-        choice = [None, None]
-    dist.broadcast_object_list(choice, src=0)
+            choice[1] = file.name
+    dist.broadcast_object_list(choice, src=0)  # the env:// group tells the other ranks rank 0's choice
     port, path = choice
-    ok = True
-    # tcp://: rank 0 starts a small key-value server (a TCPStore) on the port, at an address every rank can
-    # reach, and the others connect to it. The port was chosen free above: a fixed one may be taken by another
-    # job. torchrun runs such a server itself and tells the ranks to use only its own
-    # (TORCHELASTIC_USE_AGENT_STORE=True); for a server of our own, as when processes are started by hand:
+    # torchrun tells the ranks to use its own store (TORCHELASTIC_USE_AGENT_STORE=True); without it, rank 0
+    # of tcp:// serves a store of its own, as when processes are started by hand.
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    # file://: the ranks meet in a shared file instead; it is also how Windows users start gloo
-    # (file:///C:/path/to/file).
+    ok = True
     for init_method in (f"tcp://{os.environ['MASTER_ADDR']}:{port}", Path(path).as_uri()):
         dist.destroy_process_group()  # one default group at a time
         # Only env:// reads the rank and world size from the environment; the others are told them.
-        dist.init_process_group(args.backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=args.timeout))
-        tensor = torch.ones(1, device=device)
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+        tensor = torch.ones(1)
         dist.all_reduce(tensor)
         ok &= check(rank, world_size, f"init_method={init_method}, all_reduce of ones", tensor, [float(world_size)])
     return ok
 
 
 def main() -> None:
-    args = parse_args()
-    launched = common.launcher_env()  # None without a launcher; one line if its variables are incomplete
-    if launched is None:
-        common.die("start this script with torchrun, e.g. torchrun --standalone --nproc-per-node 4 comm_intro.py")
-    # torchrun sets these for every process it starts.
-    rank, local_rank, world_size = launched
-    if args.backend == "nccl":
-        if not torch.cuda.is_available():
-            common.die("--backend nccl needs CUDA GPUs and this machine has none: use --backend gloo")
-        # nccl works on tensors in GPU memory: one GPU per process, chosen by the rank on this node, and set
-        # before init_process_group so that the communicator is built on it.
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-
-    # env://, the default, reads MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE from the environment. Every
-    # rank waits here until all WORLD_SIZE ranks have arrived.
-    dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
-    say(rank, world_size, f"joined with env:// at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}, "
-        f"backend {args.backend}, device {device}")
+    parse_args()
+    if "RANK" not in os.environ:  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+        raise SystemExit("error: start this script with torchrun, e.g. torchrun --standalone --nproc-per-node 4 "
+                         "comm_intro.py")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # gloo: CPU tensors. env://, the default, reads MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE; waits for all.
+    dist.init_process_group("gloo")
+    say(rank, world_size, f"joined with env:// at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
     try:
-        failures = 0
+        total = torch.zeros((), dtype=torch.int64)  # mismatches
         if world_size == 1:
             say(rank, world_size, "send/recv, isend/irecv and the ring need a second rank: skipped")
-        else:
-            for lesson in (blocking_send_recv, nonblocking_send_recv, ring_exchange):
-                failures += not lesson(rank, world_size, device)
-                dist.barrier()  # not needed by the messages: it keeps each part's lines together in the output
-        for lesson in (first_all_reduce, subgroup):
-            failures += not lesson(rank, world_size, device)
-            dist.barrier()  # as above, for the output only
-        failures += not rendezvous(args, rank, world_size, device)
-        # Every rank must learn whether any rank saw a mismatch, so that all of them exit with the same status.
-        total = torch.tensor([failures], device=device)
-        dist.all_reduce(total)
+        messages = [blocking_send_recv, nonblocking_send_recv, ring_exchange] if world_size > 1 else []
+        for part in (*messages, first_all_reduce, subgroup):
+            total += not part(rank, world_size)
+            dist.barrier()  # not needed by the messages: it keeps each part's lines together in the output
+        total += not rendezvous(rank, world_size)
+        dist.all_reduce(total)  # every rank learns of any mismatch, so all of them exit with the same status
         if rank == 0:
-            common.print_line(f"{total.item()} mismatches on {world_size} ranks" if total.item() else
-                              f"all results match on {world_size} ranks")
+            print(f"{total.item()} mismatches" if total.item() else "all results match", f"on {world_size} ranks")
     finally:
-        if dist.is_initialized():  # not when a new init_process_group failed
+        if dist.is_initialized():  # not when an init_process_group in rendezvous() failed
             dist.destroy_process_group()
     if total.item():
         raise SystemExit(1)
@@ -209,4 +160,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    common.exit_now()  # skips the interpreter's teardown of torch (see common)

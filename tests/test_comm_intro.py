@@ -1,8 +1,14 @@
 """comm_intro.py, run as documented at 1 to 4 processes (each rank's main() in the harness, see
-docs_blocks.run_command): every rank receives exactly what it should."""
+docs_blocks.run_command): every rank receives exactly the numbers worked out here. A message, group or
+rendezvous that delivered anything else would print other numbers, and the test would fail."""
+import contextlib
+import io
+import sys
+
 import pytest
 from docs_blocks import succeeded
-from launch import python
+
+import comm_intro
 
 
 def numbers(values) -> str:
@@ -46,8 +52,18 @@ def test_every_rank_receives_what_it_should(world_size):
     assert stdout.splitlines().count(f"all results match on {n} ranks") == 1  # rank 0 says it, once
 
 
-def test_plain_python_says_how_to_launch():
-    result = python("comm_intro.py")
-    assert result.returncode == 2
-    assert result.stderr.strip() == (
-        "error: start this script with torchrun, e.g. torchrun --standalone --nproc-per-node 4 comm_intro.py")
+def test_a_learners_mistakes_are_one_line(monkeypatch):
+    """Started without torchrun, or with an option it does not have: one line (SystemExit's text is what
+    Python prints, with status 1; argparse prints its usage, then the error, with status 2)."""
+    def run_main(*argv: str) -> tuple[int | str, str]:
+        monkeypatch.setattr(sys, "argv", ["comm_intro.py", *argv])
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as stopped:
+            comm_intro.main()
+        return stopped.value.code, stderr.getvalue()
+
+    monkeypatch.delenv("RANK", raising=False)
+    assert run_main() == (
+        "error: start this script with torchrun, e.g. torchrun --standalone --nproc-per-node 4 comm_intro.py", "")
+    code, stderr = run_main("--backend", "nccl")  # the option it had before
+    assert code == 2 and stderr.splitlines()[-1] == "comm_intro.py: error: unrecognized arguments: --backend nccl"

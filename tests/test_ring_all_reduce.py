@@ -1,15 +1,11 @@
 """ring_all_reduce (comm_collectives.py) against dist.all_reduce: bitwise the same result at world sizes 1 to
 5, for awkward sizes and every dtype class, and exactly the bandwidth-optimal number of elements sent."""
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
 from harness import spawn
-from launch import REPO
 
-sys.path.insert(0, str(REPO))  # the scripts live at the repository root
-import comm_collectives  # noqa: E402
+import comm_collectives
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
           torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)  # what gloo's all_reduce takes
