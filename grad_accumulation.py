@@ -85,7 +85,7 @@ def evaluate(model: torch.nn.Module, loader: DataLoader):
 
 
 def epoch_means(train_totals: tuple, val_totals: tuple) -> tuple[float, float]:
-    """Means over every sample of every rank. Every rank all-reduces: behind `if rank == 0` it would hang."""
+    """Means over every sample of every rank. Every rank all-reduces: behind `if rank == 0` the others never join."""
     totals = torch.tensor([*train_totals, *val_totals], dtype=torch.float64)
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)
     return (totals[0] / totals[1]).item(), (totals[2] / totals[3]).item()

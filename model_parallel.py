@@ -12,7 +12,7 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  imported after init_process_group, it keeps the group alive at exit
+import torch.distributed.nn  # noqa: F401  first: imported later (Adam does), it holds the group at exit
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -73,7 +73,7 @@ def evaluate(model: torch.nn.Module, loader: DataLoader):
 
 
 def epoch_means(train_totals: tuple, val_totals: tuple) -> tuple[float, float]:
-    """Means over every sample of every rank. Every rank all-reduces: behind `if rank == 0` it would hang."""
+    """Means over every sample of every rank. Every rank all-reduces: behind `if rank == 0` the others never join."""
     totals = torch.tensor([*train_totals, *val_totals], dtype=torch.float64)
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)
     return (totals[0] / totals[1]).item(), (totals[2] / totals[3]).item()
@@ -96,7 +96,7 @@ class TwoStages(nn.Module):
 
 def train(args: argparse.Namespace, rank: int, world_size: int) -> torch.nn.Module:
     train_loader, val_loader = make_loaders(args, rank, world_size)
-    print(f"[rank {rank}/{world_size}] {len(train_loader)} steps per epoch\n", end="", flush=True)  # one write
+    print(f"[rank {rank}/{world_size}] {len(train_loader)} steps per epoch\n", end="", flush=True)  # 1 write: unmixed
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = TwoStages(build_model().net, torch.device("cpu"), torch.device("cpu"))  # parameters in the same order
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -117,11 +117,11 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> torch.nn.Modu
         val_totals = evaluate(model.module, val_loader)  # .module: a forward through DDP may wait for ranks
         train_loss, val_loss = epoch_means(train_totals, val_totals)
         if rank == 0:  # one writer; no barrier after it, as no rank reads the file during the run
-            print(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}", flush=True)
             if args.checkpoint:  # .module: keys without DDP's "module." prefix, loadable by a plain model
                 state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1}
                 torch.save(state, args.checkpoint + ".tmp")  # a kill mid-write leaves the old file whole
                 os.replace(args.checkpoint + ".tmp", args.checkpoint)
+            print(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}", flush=True)  # once saved
     if rank == 0 and start_epoch < args.max_epochs:
         print(f"done | val_loss:{val_loss:.6f} floor:{LOSS_FLOOR:.6f} ({val_loss / LOSS_FLOOR:.3f} × floor)")
     return model.module

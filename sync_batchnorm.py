@@ -11,7 +11,7 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  imported after init_process_group, it keeps the group alive at exit
+import torch.distributed.nn  # noqa: F401  first: imported later (Adam does), it holds the group at exit
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -72,7 +72,7 @@ def evaluate(model: torch.nn.Module, loader: DataLoader):
 
 
 def epoch_means(train_totals: tuple, val_totals: tuple) -> tuple[float, float]:
-    """Means over every sample of every rank. Every rank all-reduces: behind `if rank == 0` it would hang."""
+    """Means over every sample of every rank. Every rank all-reduces: behind `if rank == 0` the others never join."""
     totals = torch.tensor([*train_totals, *val_totals], dtype=torch.float64)
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)
     return (totals[0] / totals[1]).item(), (totals[2] / totals[3]).item()
@@ -107,7 +107,7 @@ class HandSyncBatchNorm1d(nn.BatchNorm1d):
 
 def train(args: argparse.Namespace, rank: int, world_size: int) -> torch.nn.Module:
     train_loader, val_loader = make_loaders(args, rank, world_size)
-    print(f"[rank {rank}/{world_size}] {len(train_loader)} steps per epoch\n", end="", flush=True)  # one write
+    print(f"[rank {rank}/{world_size}] {len(train_loader)} steps per epoch\n", end="", flush=True)  # 1 write: unmixed
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = build_model()
     model.net[0].bias = None  # BatchNorm cancels it: its gradient is rounding noise, which Adam would amplify
