@@ -1,15 +1,14 @@
 """A branch that some steps skip: parameters left without a gradient, DDP's error, and its two fixes.
 
-`diff singlenode_cpu.py unused_parameters.py` is the lesson (docs/past_the_basics.md). DDP all-reduces a bucket
-once each of its parameters has a gradient; one that a step's forward did not use gets none, so its bucket is
-never reduced: the optimizer steps with gradients that were not averaged, and DDP raises at the next forward.
+`diff singlenode_cpu.py unused_parameters.py` is the lesson (docs/past_the_basics.md): a parameter that a step
+did not use gets no gradient, so its bucket is never all-reduced, and DDP raises at the next forward.
 
     torchrun --standalone --nproc-per-node 2 unused_parameters.py --fix none  # the error
     torchrun --standalone --nproc-per-node 2 unused_parameters.py  # find_unused_parameters=True
-    torchrun --standalone --nproc-per-node 2 unused_parameters.py --fix static_graph --branch never
 """
 import argparse
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -76,6 +75,7 @@ def train_one_epoch(model: torch.nn.Module, loader: DataLoader, optimizer: torch
         except RuntimeError as error:  # DDP's message runs to a page: its first sentence, and the fix
             if "unused" not in str(error):
                 raise  # not about unused parameters
+            time.sleep(0.1)  # gloo's threads let go of the failed step: destroying the group at once can deadlock
             raise SystemExit(f"error: step {step}: {str(error).split('. ')[0]}. Use --fix find_unused") from None
         optimizer.step()
         loss_sum += loss.detach() * len(y)  # stays a tensor: no sync per step
