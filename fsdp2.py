@@ -1,238 +1,150 @@
 """FSDP2: each rank holds a shard of every layer's parameters, gradients and Adam state (ZeRO stage 3).
 
-Where DDP keeps a whole replica on every rank, fully_shard cuts every parameter into world_size
-pieces along its first dimension; rank r keeps piece r, its gradient and its Adam moments. The loop is
-singlenode_cpu.py's, on model.py's wide MLP by default; each rank prints the bytes it holds after its
-first step. The checkpoint is a folder, where torch.distributed.checkpoint (DCP) has every rank write
-its own shards.
+`diff singlenode_cpu.py fsdp2.py` is the lesson (docs/sharding.md): fully_shard, in DDP's place, shards along
+dim 0; the checkpoint is the whole state, gathered on rank 0. A job with sharded checkpoints: gpt/.
 
-    torchrun --standalone --nproc-per-node 2 fsdp2.py
-    torchrun --standalone --nproc-per-node 3 fsdp2.py --max_epochs 1 --checkpoint ckpt
-    torchrun --standalone --nproc-per-node 2 fsdp2.py --checkpoint ckpt --export wide.pt
-    torchrun --standalone --nproc-per-node 8 fsdp2.py --backend nccl --precision bf16
-
-The third resumes on 2 ranks what 3 wrote (DCP reshards as it reads), and saves the whole model in
-wide.pt, which model.build_model("wide") loads without FSDP.
-Explained in docs/sharding.md.
+    torchrun --standalone --nproc-per-node 3 fsdp2.py --checkpoint fsdp.pt  # again, on any number of ranks: resumes
 """
 import argparse
-import itertools
-import math
 import os
-import statistics
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+import torch.distributed.nn  # noqa: F401  imported after init_process_group, it keeps the group alive at exit
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-import common
-from data import FEATURES, LOSS_FLOOR
+from data import LOSS_FLOOR, make_datasets
 from model import build_model
-from singlenode_cpu import epoch_means, evaluate, make_loaders, train_one_epoch
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common.add_training_args(parser, checkpoint=False)
-    # The wide model at bench_ddp.py's learning rate, as zero_optimizer.py (the small model's 0.005 overshoots).
-    parser.set_defaults(model="wide", lr=1e-3, max_epochs=3, train_size=1024)  # seconds on 2 CPU cores
-    parser.add_argument("--checkpoint", type=common.checkpoint_folder, default=None, metavar="DIR",
-                        help="a FOLDER, replaced whole by every save: after every epoch each rank writes its "
-                             "shards into it; if it holds a checkpoint at start, training resumes from it, on any "
-                             "number of ranks")
-    parser.add_argument("--export", default=None, metavar="PATH",
-                        help="at the end rank 0 saves the whole model's state_dict here, for use without FSDP")
-    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="gloo: CPUs; nccl: a GPU each")
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                        help="bf16: layers gathered and computed in bf16, gradients averaged in fp32")
-    common.reject_old_launcher_flag(parser)
+    parser.add_argument("--max_epochs", type=int, default=10, help="epochs to train in all")
+    parser.add_argument("--batch_size", type=int, default=32, help="samples per step on each rank")
+    parser.add_argument("--lr", type=float, default=0.005, help="Adam learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and of the shuffle")
+    parser.add_argument("--train_size", type=int, default=4096, help="training samples")
+    parser.add_argument("--val_size", type=int, default=1024, help="validation samples")
+    parser.add_argument("--checkpoint", default=None, help="saved after every epoch; resumed from if it exists")
+    parser.add_argument("--model", default="wide", choices=["mlp", "linear", "wide"], help="a model of model.py")
+    parser.set_defaults(max_epochs=3, lr=1e-3, train_size=1024)  # the wide model: seconds on 2 cores, no overshoot
     args = parser.parse_args()
-    if args.export and args.checkpoint and os.path.commonpath(
-            [os.path.realpath(args.export), os.path.realpath(args.checkpoint)]) == os.path.realpath(args.checkpoint):
-        parser.error(f"--export {args.export!r} is inside --checkpoint {args.checkpoint!r}, which every save replaces")
-    if args.export and (os.path.isdir(args.export) or not os.access(os.path.dirname(os.path.abspath(args.export)),
-                                                                     os.W_OK)):  # now, not after the training
-        parser.error(f"--export {args.export!r} must name a file in a writable folder")
+    for name in ("max_epochs", "batch_size", "lr", "train_size", "val_size"):
+        if not 0 < getattr(args, name) < 1e7:  # also refuses nan
+            parser.error(f"--{name} must be above 0 and below 1e7, got {getattr(args, name)}")
     return args
 
 
-def shard(model: nn.Module, mesh, precision: str) -> None:
-    """fully_shard every layer, then the whole model."""
-    # param_dtype: what a gathered layer computes in; reduce_dtype: what its gradient is averaged in.
-    # The shards, which Adam updates, stay fp32: they are the master weights, no extra copy needed.
-    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" else {}
-    policy = MixedPrecisionPolicy(**bf16)
-    for layer in [m for m in model.modules() if isinstance(m, nn.Linear) and m is not model]:
-        # One group per layer: its pieces are all-gathered in one collective just before its
-        # forward and freed after it (reshard_after_forward), gathered again in backward, and its
-        # gradient reduce-scattered once computed. One layer is whole at a time (two in backward,
-        # which gathers the next early so that the gathering overlaps the computing).
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    # The root, whose forward runs first: it takes what no layer took (here nothing), sets the
-    # layers up to share its streams and buffers, and waits for their last reduce-scatters at the
-    # end of backward. Without it every layer would be a root of its own, and a root keeps its
-    # gathered weights from forward until backward: every layer whole at once, as under DDP.
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+def make_loaders(args: argparse.Namespace, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
+    train_set, val_set = make_datasets(args.train_size, args.val_size)
+    # Rank r takes samples r, r + N, r + 2N, ... of a permutation of seed + epoch, repeating a few if N does
+    # not divide the size: a rank with an extra step would wait for ever in that step's all-reduce.
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+    # A strided shard, no repeats, in one batch: each forward all-gathers every layer, so every rank runs one.
+    val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=len(val_set))
+    return train_loader, val_loader
 
 
-def local_bytes(tensors) -> int:
-    """Bytes of `tensors` held on this rank: of a DTensor, its local shard alone."""
-    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors if t is not None)
+def bytes_held(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """Bytes of this rank's shards of the parameters, gradients and Adam's state (and its step counts)."""
+    params, state = list(model.parameters()), [t for entry in optimizer.state.values() for t in entry.values()]
+    sizes = [sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in ts if t is not None)
+             for ts in (params, [p.grad for p in params], state)]
+    return "parameters {:,} | gradients {:,} | optimizer state {:,}".format(*sizes)
 
 
-def watch_steps(optimizer: torch.optim.Optimizer, model: nn.Module, rank: int, world_size: int,
-                device: torch.device) -> list:
-    """Note the time after every optimizer step, and print what this rank holds after the first."""
-    ends = []  # with None where train() starts an epoch
-
-    def after_step(optimizer, args, kwargs) -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize()  # the GPU's time, not the time to queue its work
-        if not any(ends):  # the run's first step. Adam's exp_avg and exp_avg_sq are DTensors: their
-            # shards count. Its step counts are plain 4-byte tensors, whole on every rank: they count too.
-            state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-            params = list(model.parameters())
-            common.print_line(f"[rank {rank}/{world_size}] bytes held: parameters {local_bytes(params):,} | "
-                              f"gradients {local_bytes(p.grad for p in params):,} | "
-                              f"optimizer state {local_bytes(state):,}")
-        ends.append(time.perf_counter())
-
-    optimizer.register_step_post_hook(after_step)
-    return ends
+def train_one_epoch(model: torch.nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer):
+    """Return (sum of loss × samples, samples) over this rank's shard."""
+    model.train()
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for x, y in loader:
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()  # gathers each layer again, then reduce-scatters its gradient: each rank gets its piece
+        optimizer.step()
+        loss_sum += loss.detach() * len(y)  # stays a tensor: no sync per step
+    return loss_sum, len(loader.sampler)
 
 
-def equal_forwards(loader, steps: int):
-    """The loader's batches, then empty ones up to `steps`. Every forward all-gathers each layer
-    with every rank, so every rank must run the same number, also when its validation shard
-    (singlenode_cpu.make_loaders: counted once, unpadded) holds a batch fewer than rank 0's."""
-    yield from loader
-    for _ in range(steps - len(loader)):
-        yield torch.empty(0, FEATURES), torch.empty(0, 1)
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader: DataLoader):
+    """Return (sum of squared errors, samples) over this rank's validation shard."""
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for x, y in loader:
+        loss_sum += F.mse_loss(model(x), y, reduction="sum")
+    return loss_sum, len(loader.dataset)
 
 
-def resume(args: argparse.Namespace, rank: int, world_size: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-           checkpoints: common.ShardedCheckpoints, config: dict) -> int:
-    """Load the checkpoint, if there is one, on every rank; return the next epoch to run."""
-    if rank == 0:
-        checkpoints.tidy()  # the lock; puts back a checkpoint that a save cut short had moved aside
-    dist.barrier()  # so no rank looks at the folder before rank 0 has tidied it
-    found_by_rank = [None] * world_size
-    # Every rank checks the sha256 of its share of the files before DCP reads any (DCP checks none),
-    # then they compare: a damaged or missing file stops every rank with one line, before training.
-    dist.all_gather_object(found_by_rank, checkpoints.check(config))
-    manifest = checkpoints.require_agreement(found_by_rank)
-    if manifest is None:
-        return 0
-    # This run's shards, DTensors keyed by parameter name: DCP reads into them, each rank the parts of
-    # every file that overlap its shards, however many ranks wrote them.
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=checkpoints.target)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    epoch, written_by = manifest["epoch"], manifest["world_size"]
-    if rank == 0 and epoch < args.max_epochs:  # else train() says there is nothing to do
-        common.print_line(f"resuming from {args.checkpoint}: {epoch} of {args.max_epochs} epochs done" + (
-            "" if written_by == world_size else f", written by {written_by} ranks, read by {world_size} (DCP "
-            f"reshards; the global batch changes from {written_by * args.batch_size} to "
-            f"{world_size * args.batch_size} samples)"))
-    return epoch
+def epoch_means(train_totals: tuple, val_totals: tuple) -> tuple[float, float]:
+    """Means over every sample of every rank. Every rank all-reduces: behind `if rank == 0` it would hang."""
+    totals = torch.tensor([*train_totals, *val_totals], dtype=torch.float64)
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    return (totals[0] / totals[1]).item(), (totals[2] / totals[3]).item()
 
 
-def save(checkpoints: common.ShardedCheckpoints, model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int,
-         config: dict, rank: int, world_size: int) -> None:
-    model_state, optim_state = get_state_dict(model, optimizer)  # this rank's shards, keyed by name
-    # Every rank writes its own shards, to a file of its own (__<rank>_0.distcp); the coordinator,
-    # rank 0, then writes .metadata: which piece of which tensor lies where, in which file.
-    metadata = dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=checkpoints.tmp)
-    # No barrier needed: dcp.save returns only once rank 0 has written .metadata, which it does
-    # after every rank's writes returned. Rank 0 needs every file's sha256 for the manifest.
-    shares = [None] * world_size
-    dist.all_gather_object(shares, checkpoints.hash_share(metadata))
-    if rank == 0:
-        checkpoints.commit(shares, epoch, config)  # the manifest, then PATH.tmp renamed to PATH
-
-
-def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int, device: torch.device):
+def train(args: argparse.Namespace, rank: int, world_size: int) -> torch.nn.Module:
     train_loader, val_loader = make_loaders(args, rank, world_size)
-    torch.manual_seed(args.seed)  # the same whole weights on every rank: each keeps its own piece
-    model = build_model(args.model).to(device)
-    shard(model, init_device_mesh(device.type, (world_size,)), args.precision)  # one mesh dimension: all ranks
-    # After fully_shard, which replaced every parameter by a DTensor of this rank's piece: an optimizer
-    # built before would hold the whole tensors, which no longer train (and whole-sized state for them).
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    config = {name: vars(args).get(name) for name in common.RESUME_MUST_MATCH}  # the world size may change
-    checkpoints = common.ShardedCheckpoints(args.checkpoint, rank, world_size) if args.checkpoint else None
-    try:
-        start_epoch = resume(args, rank, world_size, model, optimizer, checkpoints, config) if checkpoints else 0
-        ends = watch_steps(optimizer, model, rank, world_size, device)  # after resume: its load takes a step
-        val_steps = math.ceil(math.ceil(args.val_size / world_size) / args.batch_size)  # rank 0's, the most
-        for epoch in range(start_epoch, args.max_epochs):
-            train_loader.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
-            ends.append(None)  # the epoch's first step also waited for the last one's validation and save
-            loss_sum, samples, _ = train_one_epoch(model, train_loader, optimizer, device, torch.float32, None)
-            val_totals = evaluate(model, equal_forwards(val_loader, val_steps), device)
-            train_loss, val_loss = epoch_means((loss_sum, samples), val_totals, device)
-            if not math.isfinite(train_loss + val_loss):  # the same on every rank: all stop, before saving
-                common.die(f"the loss stopped being finite in epoch {epoch}: stopped before saving", code=1)
-            if checkpoints:
-                save(checkpoints, model, optimizer, epoch + 1, config, rank, world_size)  # the next epoch to run
-            if rank == 0:
-                common.print_line(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}")
-    finally:
-        if checkpoints:
-            checkpoints.close()
-    if args.export:
-        # A collective: every rank all-gathers every layer, and only rank 0 keeps the whole tensors,
-        # on the CPU (cpu_offload). Called on rank 0 alone, it would wait for ever for the others.
-        whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    print(f"[rank {rank}/{world_size}] {len(train_loader)} steps per epoch\n", end="", flush=True)  # one write
+    torch.manual_seed(args.seed)  # the same whole weights on every rank: each keeps its own piece of them
+    model = build_model(args.model)
+    for layer in [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model]:
+        fully_shard(layer)  # one group per layer: all-gathered just before its forward, freed after it
+    fully_shard(model)  # the root too, else each layer is a root, which keeps its gathered weights until backward
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)  # after fully_shard: of this rank's pieces
+    start_epoch = 0
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        # Every rank loads the whole state; map_location: not onto the saver's device. weights_only: no code runs.
+        checkpoint = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+        set_state_dict(model, optimizer, model_state_dict=checkpoint["model"], optim_state_dict=checkpoint["optimizer"],
+                       options=StateDictOptions(full_state_dict=True))  # whole tensors: each rank keeps its pieces
+        start_epoch = checkpoint["epoch"]  # the next epoch to run: none is repeated
         if rank == 0:
-            try:
-                common.save_checkpoint(whole, args.export)  # a temporary file, fsync, rename
-            except OSError as exc:  # a full disk, the folder gone: the checkpoint, if any, is whole
-                common.die(f"could not export the model to {args.export}: {exc.strerror or exc}", code=1)
-            print(f"saved the whole model to {args.export}", flush=True)
-    if rank == 0 and start_epoch >= args.max_epochs:
-        print(f"{args.checkpoint} already holds {start_epoch} epochs: nothing to train. Raise --max_epochs or "
-              "delete the folder.", flush=True)
-    elif rank == 0:
-        steps = [end - start for start, end in itertools.pairwise(ends) if start and end]  # not an epoch's first
-        # From one step's end to the next: the batch's loading too, which is nothing here (zero_optimizer.py
-        # times from zero_grad() to step()).
-        common.print_line(f"step time: {1000 * statistics.median(steps or [math.nan]):.2f} ms (median of "
-                          f"{len(steps)} steps, rank 0)\ndone | val_loss:{val_loss:.6f} floor:{LOSS_FLOOR:.6f} "
-                          f"({val_loss / LOSS_FLOOR:.3f} × floor)")
+            print(f"resuming from {args.checkpoint}: {start_epoch} of {args.max_epochs} epochs done", flush=True)
+    step_time = 0.0
+    for epoch in range(start_epoch, args.max_epochs):
+        train_loader.sampler.set_epoch(epoch)  # reseeds the shuffle: without it every epoch has one order
+        started = time.perf_counter()
+        train_totals = train_one_epoch(model, train_loader, optimizer)
+        step_time += (time.perf_counter() - started) / len(train_loader)
+        if epoch == start_epoch:  # after a step: Adam's state exists
+            print(f"[rank {rank}/{world_size}] bytes held: {bytes_held(model, optimizer)}\n", end="", flush=True)
+        val_totals = evaluate(model, val_loader)  # the sharded model: a plain one does not exist
+        train_loss, val_loss = epoch_means(train_totals, val_totals)
+        if args.checkpoint:  # a collective: every rank gathers every layer; cpu_offload: rank 0 alone keeps them
+            whole = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:  # one writer; no barrier after it, as no rank reads the file during the run
+            print(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}", flush=True)
+            if args.checkpoint:  # whole tensors under the plain model's names: a plain model loads "model"
+                state = {"model": whole[0], "optimizer": whole[1], "epoch": epoch + 1}
+                torch.save(state, args.checkpoint + ".tmp")  # a kill mid-write leaves the old file whole
+                os.replace(args.checkpoint + ".tmp", args.checkpoint)
+    if rank == 0 and start_epoch < args.max_epochs:
+        print(f"step time: {1e3 * step_time / (args.max_epochs - start_epoch):.2f} ms\ndone | val_loss:{val_loss:.6f} "
+              f"floor:{LOSS_FLOOR:.6f} ({val_loss / LOSS_FLOOR:.3f} × floor)", flush=True)
     return model
 
 
 def main() -> None:
     args = parse_args()
-    rank, local_rank, world_size = common.torchrun_ranks("fsdp2.py", args)  # as singlenode_cpu.py
-    device = torch.device("cpu")
-    if args.backend == "nccl":
-        common.check_gpus(int(os.environ["LOCAL_WORLD_SIZE"]), "--nproc-per-node", "fsdp2.py --backend gloo")
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)  # before init_process_group: otherwise every process allocates on GPU 0
-    timeout = timedelta(seconds=args.timeout)
-    dist.init_process_group(args.backend, store=common.torchrun_store(timeout), rank=rank, world_size=world_size,
-                            timeout=timeout, device_id=device if device.type == "cuda" else None)
-    try:
-        train(args, rank, local_rank, world_size, device)
+    if "RANK" not in os.environ:  # torchrun sets these in every process (and OMP_NUM_THREADS=1)
+        raise SystemExit("error: start this script with torchrun --standalone --nproc-per-node 2 fsdp2.py")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world_size > min(args.train_size, args.val_size):  # each rank needs a training and a validation sample
+        raise SystemExit(f"error: {world_size} ranks but {min(args.train_size, args.val_size)} samples: each needs one")
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)  # env://: meets at MASTER_ADDR:MASTER_PORT
+    try:  # destroy also when training raises (FSDP2's gloo threads outlive it: see os._exit below)
+        train(args, rank, world_size)
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    common.exit_now()
+    os._exit(0)  # skip the interpreter's teardown, which gloo's threads, kept alive by FSDP2's cached mesh, can abort

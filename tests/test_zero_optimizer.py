@@ -1,96 +1,95 @@
-"""zero_optimizer.py: ZeRO stage 1 trains what DDP with Adam trains, each rank holds the optimizer
-state of the parameters assigned to it and no more, and its checkpoint resumes exactly."""
-import contextlib
+"""zero_optimizer.py: ZeRO stage 1 trains what one process trains with Adam, each rank holds the Adam
+state of the parameters assigned to it and no more, and its checkpoint resumes as an uninterrupted run,
+with ZeRO or without."""
+import argparse
 import functools
-import hashlib
-import io
+import os
 import re
 import shutil
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from harness import spawn
 from launch import epoch_losses
-from workers import train_script
+from reference import train_reference
 
 import zero_optimizer
 from model import build_model
 
 PARAMETERS = 2_121_729  # the wide model: 20 × 1024 + 1024 + 2 × (1024 × 1024 + 1024) + 1024 + 1
-SIZES = ["--train_size", "96", "--val_size", "32", "--batch_size", "8", "--lr", "0.001", "--max_epochs", "2"]
-# The checkpoints hold the small default model: gathering the wide model's state on rank 0 takes
-# about 0.7 s per checkpoint (docs/sharding.md), and the code that saves and loads is the same.
+# 96 samples: 6 steps of 8 per epoch at 2 ranks, 4 at 3. lr 0.0005: at 0.001 a few ReLUs of the wide
+# model sit so close to 0 that rounding flips them, and single weights drift apart by up to 1e-3.
+SIZES = ["--train_size", "96", "--val_size", "25", "--batch_size", "8", "--lr", "0.0005", "--max_epochs", "2"]
+# The checkpoints hold the small model: the code that saves and loads is the same, and consolidating the
+# wide model's state on rank 0 takes about a second per save here.
 SMALL = [*SIZES, "--model", "mlp"]
-ONE_EPOCH = [*SIZES[:-1], "1", "--model", "mlp"]
 BYTES_LINE = re.compile(r"^\[rank (\d+)/(\d+)\] bytes held: parameters ([\d,]+) \| gradients ([\d,]+) \| "
                         r"optimizer state ([\d,]+)$", re.MULTILINE)
-UPDATES_LINE = re.compile(r"^\[rank (\d+)/(\d+)\] updates (.*)$", re.MULTILINE)
-STEP_LINE = re.compile(r"^step time: (\d+\.\d\d) ms \(median of (\d+) steps, rank 0\)$", re.MULTILINE)
+# One process with the global batch adds the batch's gradients in another order than N ranks averaging
+# their means: the same to within rounding. Adam divides each gradient by its own running size, so where a
+# gradient's terms nearly cancel, rounding moves a weight by a few percent of lr: after these 8 steps at
+# most 7.7e-6 at 3 ranks (measured), within a tenth of lr.
+TOLERANCE = 5e-5
 
 
-def refused(rank: int, world_size: int, argv: list[str]) -> tuple[int | None, str]:
-    """(exit code, stderr) of a run that should stop before it trains."""
-    stderr = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(stderr):
-            train_script(rank, world_size, "zero_optimizer", argv)
-    except SystemExit as stop:
-        return stop.code, stderr.getvalue()
-    return None, stderr.getvalue()
+def parse(argv: list[str]) -> argparse.Namespace:
+    sys.argv = ["zero_optimizer.py", *argv]
+    return zero_optimizer.parse_args()
 
 
-def flip_a_bit(source: str, target: str) -> None:
-    """A copy of the checkpoint with one bit flipped inside a weight's bytes."""
-    data = bytearray(Path(source).read_bytes())
-    weight = torch.load(source, weights_only=True)["model"]["net.0.weight"]
-    data[bytes(data).index(weight.numpy().tobytes()) + 5] ^= 0x10
-    Path(target).write_bytes(bytes(data))
-
-
-def digests(folder) -> dict[str, str]:
-    return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(Path(folder).iterdir())}
+def train(rank: int, world_size: int, argv: list[str]) -> dict:
+    return zero_optimizer.train(parse(argv), rank, world_size).state_dict()
 
 
 def zero_runs(rank: int, world_size: int, folder: str) -> dict:
-    """On every rank, in one process group: the wide model under singlenode_cpu.py's DDP with plain
-    Adam, and under ZeRO; the small model under ZeRO, uninterrupted, then stopped after one epoch and
-    resumed, by ZeRO and (from a copy) by --no_zero; then two checkpoints that must be refused."""
+    """On every rank, in one process group: the wide model under ZeRO and under plain Adam; the small
+    model under ZeRO, uninterrupted, then stopped after one epoch and resumed, by ZeRO and (from a copy
+    of the file) by plain Adam. Rank 0 also trains the wide model in one process, without
+    torch.distributed, on the global batch (here, as a worker has one thread: 1 s, not 5)."""
     checkpoint, copy = f"{folder}/ckpt.pt", f"{folder}/copy.pt"
-    weights = {"ddp": train_script(rank, world_size, "singlenode_cpu", [*SIZES, "--model", "wide"]),
-               "zero": train_script(rank, world_size, "zero_optimizer", SIZES),
-               "small": train_script(rank, world_size, "zero_optimizer", SMALL)}
-    train_script(rank, world_size, "zero_optimizer", [*ONE_EPOCH, "--checkpoint", checkpoint])
+    weights = {"zero": train(rank, world_size, SIZES), "adam": train(rank, world_size, [*SIZES, "--no_zero"]),
+               "small": train(rank, world_size, SMALL)}
+    train(rank, world_size, [*SMALL, "--max_epochs", "1", "--checkpoint", checkpoint])
     if rank == 0:
         shutil.copy(checkpoint, copy)
-    # Test plumbing: rank 0 has written the file (train() waits for it), and copied it, before any
-    # rank reads either. Separate launches, as a real resume is, need no barrier.
+    # Test plumbing: rank 0 has written the file, and copied it, before any rank looks for either.
+    # Separate launches, as a real resume is, need no barrier.
     dist.barrier()
-    weights["resumed"] = train_script(rank, world_size, "zero_optimizer", [*SMALL, "--checkpoint", checkpoint])
-    weights["resumed_without_zero"] = train_script(rank, world_size, "zero_optimizer",
-                                                   [*SMALL, "--no_zero", "--checkpoint", copy])
-    damaged = f"{folder}/damaged.pt"
+    weights["resumed"] = train(rank, world_size, [*SMALL, "--checkpoint", checkpoint])
+    weights["resumed without zero"] = train(rank, world_size, [*SMALL, "--no_zero", "--checkpoint", copy])
     if rank == 0:
-        flip_a_bit(checkpoint, damaged)
-    dist.barrier()  # as above
-    before = digests(folder) if rank == 0 else None
-    # Rank 0 finds the 2-epoch checkpoint, the other ranks find no file at their path.
-    missing = checkpoint if rank == 0 else f"{folder}/absent.pt"
-    refusals = {"damaged": refused(rank, world_size, [*SMALL, "--checkpoint", damaged]),
-                "missing": refused(rank, world_size, [*SMALL, "--checkpoint", missing])}
-    return {"weights": weights, "refusals": refusals, "files_before": before}
+        weights["one process"] = train_reference(parse(SIZES), world_size)
+    return weights
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[int, tuple[list[dict], list[str], Path]]:
-    """{world_size: (every rank's results, every rank's stdout, the folder of the checkpoints)}."""
+def runs(tmp_path_factory) -> dict[int, tuple[list[dict], list[str], object]]:
+    """{world_size: (every rank's weights, every rank's stdout, the folder of the checkpoints)}."""
     results = {}
     for world_size in (2, 3):
         folder = tmp_path_factory.mktemp(f"zero{world_size}")
-        results[world_size] = (*spawn(zero_runs, world_size, str(folder), timeout=120), folder)
+        results[world_size] = (*spawn(zero_runs, world_size, str(folder), timeout=180), folder)
     return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_zero_trains_what_adam_trains_in_one_process(runs, world_size):
+    """Bit for bit plain Adam's (--no_zero: DDP and torch.optim.Adam, as singlenode_cpu.py): each rank
+    runs the same Adam arithmetic on its own parameters, from the same averaged gradients, and the
+    broadcasts copy the results. Within TOLERANCE of one process that takes the global batch."""
+    weights, stdouts, _ = runs[world_size]
+    expected, losses = weights[0]["one process"]
+    for rank in range(world_size):
+        for name, tensor in weights[rank]["adam"].items():
+            assert torch.equal(weights[rank]["zero"][name], tensor), (rank, name)
+            torch.testing.assert_close(weights[rank]["zero"][name], expected[name], rtol=0, atol=TOLERANCE)
+    zero, adam, *_ = [epoch_losses(run) for run in stdouts[0].split("done |")]
+    assert zero == adam
+    assert sorted(zero) == [0, 1]
+    for epoch, (train_loss, val_loss) in enumerate(losses):
+        assert zero[epoch] == pytest.approx((train_loss, val_loss), abs=2e-6)
 
 
 def zero_assignment(sizes: list[int], world_size: int) -> list[list[int]]:
@@ -107,45 +106,28 @@ def zero_assignment(sizes: list[int], world_size: int) -> list[list[int]]:
 
 
 @functools.cache
-def adam_state_bytes(model_name: str) -> tuple[list[str], list[int], list[int]]:
-    """(names, sizes, bytes of Adam's state) of each parameter of the model after one step of plain
-    Adam in this process, without torch.distributed."""
+def adam_state_bytes(model_name: str) -> tuple[list[int], list[int]]:
+    """(sizes, bytes of Adam's state) of each parameter of the model after one step of plain Adam in
+    this process, without torch.distributed."""
     model = build_model(model_name)
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.ones(2, 20)).sum().backward()
     optimizer.step()
-    names, params = zip(*model.named_parameters(), strict=True)
-    state = [sum(t.numel() * t.element_size() for t in optimizer.state[p].values()) for p in params]
-    return list(names), [p.numel() for p in params], state
+    params = list(model.parameters())
+    return [p.numel() for p in params], [sum(t.nbytes for t in optimizer.state[p].values()) for p in params]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_zero_ends_with_the_weights_of_ddp_with_adam(runs, world_size):
-    """Bit for bit: each rank runs the same Adam arithmetic on its own parameters as plain Adam runs
-    on all of them, from the same all-reduced gradients, and the broadcasts copy the results. The
-    reference is singlenode_cpu.py's DDP (which tests/test_train.py holds to a single process)."""
-    results, stdouts, _ = runs[world_size]
-    ddp = results[0]["weights"]["ddp"]
-    for rank in range(world_size):
-        for name, tensor in ddp.items():
-            assert torch.equal(results[rank]["weights"]["zero"][name], tensor), (rank, name)
-    ddp_output, zero_output, *_ = stdouts[0].split("done |")
-    assert epoch_losses(zero_output) == epoch_losses(ddp_output)
-
-
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_each_rank_holds_the_state_of_the_parameters_assigned_to_it(runs, world_size):
+def test_each_rank_holds_the_adam_state_of_its_own_parameters_only(runs, world_size):
     _, stdouts, _ = runs[world_size]
-    plan = {}  # model: what each rank updates, and the bytes it holds, by rank; then the bytes without ZeRO
+    held = {}  # model: the bytes each rank holds under ZeRO, by rank; then under plain Adam
     for model in ("wide", "mlp"):
-        names, sizes, state = adam_state_bytes(model)
+        sizes, state = adam_state_bytes(model)
         assignment = zero_assignment(sizes, world_size)
         assert sorted(i for indices in assignment for i in indices) == list(range(len(sizes)))  # each once
         shares = [sum(state[i] for i in indices) for indices in assignment]
-        assert sum(shares) == sum(state)
         weights = 4 * sum(sizes)  # fp32 parameters, and as many bytes of gradients: whole on every rank
-        plan[model] = ([", ".join(names[i] for i in sorted(indices)) for indices in assignment],
-                       [(weights, weights, share) for share in shares], (weights, weights, sum(state)))
+        held[model] = ([(weights, weights, share) for share in shares], (weights, weights, sum(state)))
         if model == "wide":
             assert sum(sizes) == PARAMETERS
             assert sum(state) == 2 * 4 * PARAMETERS + 4 * 8  # two fp32 moments per parameter, a 4-byte step per tensor
@@ -153,62 +135,58 @@ def test_each_rank_holds_the_state_of_the_parameters_assigned_to_it(runs, world_
             # so at 3 ranks the largest share is nowhere near a third.
             assert max(shares) > 0.49 * sum(state)
     for rank, stdout in enumerate(stdouts):
-        # Printed as each ZeRO optimizer is made: the wide model's, then the small one's (three runs
-        # that train, two refused).
-        assert UPDATES_LINE.findall(stdout) == [(str(rank), str(world_size), plan[model][0][rank])
-                                                for model in ["wide"] + ["mlp"] * 5], stdout
         lines = BYTES_LINE.findall(stdout)
-        assert [line[:2] for line in lines] == [(str(rank), str(world_size))] * 5
-        # In run order: wide under ZeRO; small under ZeRO, for one epoch, resumed; --no_zero resumed.
+        assert [line[:2] for line in lines] == [(str(rank), str(world_size))] * 6
+        # In run order: wide under ZeRO, then plain Adam; small under ZeRO, for one epoch, resumed; then
+        # resumed by plain Adam, which holds the whole state.
         assert [tuple(int(n.replace(",", "")) for n in line[2:]) for line in lines] == [
-            plan["wide"][1][rank], *[plan["mlp"][1][rank]] * 3, plan["mlp"][2]]
+            held["wide"][0][rank], held["wide"][1], *[held["mlp"][0][rank]] * 3, held["mlp"][1]]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_a_resumed_run_ends_bit_for_bit_as_an_uninterrupted_one(runs, world_size):
-    """Also when plain Adam (--no_zero) resumes from ZeRO's checkpoint: the file holds the whole state."""
-    results, stdouts, folder = runs[world_size]
-    uninterrupted = results[0]["weights"]["small"]
+def test_a_resumed_run_ends_as_an_uninterrupted_one_with_zero_or_without(runs, world_size):
+    """Bit for bit at 2 ranks; at 3 within 1e-6 (measured: 5e-10), as DDP lays its buckets out anew after
+    a restart and an all-reduce over 3 ranks then adds in another order. The file holds the whole state,
+    gathered on rank 0 in plain Adam's format, so --no_zero resumes from it too."""
+    weights, stdouts, folder = runs[world_size]
+    atol = 0 if world_size == 2 else 1e-6
     for rank in range(world_size):
-        for name, tensor in uninterrupted.items():
-            assert torch.equal(results[rank]["weights"]["resumed"][name], tensor), (rank, name)
-            assert torch.equal(results[rank]["weights"]["resumed_without_zero"][name], tensor), (rank, name)
-    _, _, whole, first, resumed, without_zero, *_ = stdouts[0].split("done |")
+        for name, tensor in weights[rank]["small"].items():
+            for run in ("resumed", "resumed without zero"):
+                torch.testing.assert_close(weights[rank][run][name], tensor, rtol=0, atol=atol, msg=(rank, run, name))
+    *_, whole, first, resumed, without_zero, _ = stdouts[0].split("done |")
     assert epoch_losses(first) == {0: epoch_losses(whole)[0]}
     assert epoch_losses(resumed) == epoch_losses(without_zero) == {1: epoch_losses(whole)[1]}
-    steps = 96 // world_size // 8  # per epoch and rank; the first of a run is not timed
-    assert [int(n) for _, n in STEP_LINE.findall(stdouts[0])] == [2 * steps - 1, 2 * steps - 1, steps - 1,
-                                                                  steps - 1, steps - 1]
+    assert "resuming from" in resumed and "1 of 2 epochs done" in resumed
     saved = torch.load(folder / "ckpt.pt", weights_only=True)
-    assert saved["epoch"] == 2 and sorted(saved["optimizer"]["state"]) == list(range(4))
+    assert saved["epoch"] == 2 and sorted(saved["optimizer"]["state"]) == [0, 1, 2, 3]  # every parameter's
+    assert sorted(os.listdir(folder)) == ["ckpt.pt", "copy.pt"]  # no .tmp left
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_a_damaged_or_missing_checkpoint_is_refused_on_every_rank_before_training(runs, world_size):
-    results, stdouts, folder = runs[world_size]
-    damaged = folder / "damaged.pt"
-    for rank in range(world_size):
-        code, stderr = results[rank]["refusals"]["damaged"]
-        assert code == 2 and stderr == (f"error: cannot read checkpoint {damaged}: its bytes were damaged after it "
-                                        "was written (archive/data/0 fails its CRC check)\n")
-        # The file missing on some ranks, as on nodes without shared storage (here: another path).
-        code, stderr = results[rank]["refusals"]["missing"]
-        path = re.escape(str(folder / ("ckpt.pt" if rank == 0 else "absent.pt")))
-        assert code == 2 and re.fullmatch(rf"error: rank 1 finds no checkpoint: a fresh start at {path}, rank 0 "
-                                          r"finds epoch 2, sha256 \w{16}: every rank must see the same file .*\n",
-                                          stderr), stderr
-        assert stdouts[rank].count("bytes held") == 5  # the refused runs took no step
-    # Nothing written, nothing removed: no lock, no temporary file, no absent.pt.
-    assert digests(folder) == results[0]["files_before"]
-    assert sorted(results[0]["files_before"]) == ["ckpt.pt", "copy.pt", "damaged.pt"]
-
-
-def test_started_without_torchrun_it_says_how_to_launch(monkeypatch, capsys):
+def run_main(monkeypatch, capsys, argv: list[str], world_size: int | None) -> str:
+    """zero_optimizer.main() in this process, stopped before the rendezvous: the line it stops with."""
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(sys, "argv", ["zero_optimizer.py"])
+    if world_size:  # as torchrun would start it
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setattr(sys, "argv", ["zero_optimizer.py", *argv])
     with pytest.raises(SystemExit) as stopped:
         zero_optimizer.main()
-    assert stopped.value.code == 2
-    assert capsys.readouterr().err == ("error: start this script with torchrun, e.g. torchrun --standalone "
-                                       "--nproc-per-node 2 zero_optimizer.py\n")
+    stderr = capsys.readouterr().err
+    if isinstance(stopped.value.code, str):  # raise SystemExit("error: ..."): Python prints it, exits 1
+        assert stderr == ""
+        return stopped.value.code
+    assert stopped.value.code == 2 and "Traceback" not in stderr  # parser.error: the usage, then the line
+    return stderr.splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv, world_size, line", [
+    ([], None, "error: start this script with torchrun --standalone --nproc-per-node 2 zero_optimizer.py"),
+    (["--train_size", "2"], 3, "error: 3 ranks but 2 training samples: each needs one"),
+    (["--lr", "0"], 2, "zero_optimizer.py: error: --lr must be above 0 and below 1e7, got 0.0"),
+    (["--model", "huge"], 2, "zero_optimizer.py: error: argument --model: invalid choice: 'huge' (choose from "
+                             "'mlp', 'linear', 'wide')"),
+], ids=["started with python", "more ranks than samples", "lr 0", "an unknown model"])
+def test_a_learners_mistake_is_one_line(monkeypatch, capsys, argv, world_size, line):
+    assert run_main(monkeypatch, capsys, argv, world_size) == line
