@@ -11,7 +11,7 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  imported after init_process_group, it keeps the group alive at exit
+import torch.distributed.nn  # noqa: F401  first: imported later (Adam does), it holds the group at exit
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
@@ -91,7 +91,7 @@ def epoch_means(train_totals: tuple, val_totals: tuple) -> tuple[float, float]:
 
 def train(args: argparse.Namespace, rank: int, world_size: int) -> torch.nn.Module:
     train_loader, val_loader = make_loaders(args, rank, world_size)
-    print(f"[rank {rank}/{world_size}] {len(train_loader)} steps per epoch\n", end="", flush=True)  # one write
+    print(f"[rank {rank}/{world_size}] {len(train_loader)} steps per epoch\n", end="", flush=True)  # 1 write: unmixed
     torch.manual_seed(args.seed)  # the same whole weights on every rank: each keeps its own piece of them
     model = build_model(args.model)
     for layer in [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model]:
@@ -120,11 +120,11 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> torch.nn.Modu
         if args.checkpoint:  # a collective: every rank gathers every layer; cpu_offload: rank 0 alone keeps them
             whole = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:  # one writer; no barrier after it, as no rank reads the file during the run
-            print(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}", flush=True)
             if args.checkpoint:  # whole tensors under the plain model's names: a plain model loads "model"
                 state = {"model": whole[0], "optimizer": whole[1], "epoch": epoch + 1}
                 torch.save(state, args.checkpoint + ".tmp")  # a kill mid-write leaves the old file whole
                 os.replace(args.checkpoint + ".tmp", args.checkpoint)
+            print(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}", flush=True)  # once saved
     if rank == 0 and start_epoch < args.max_epochs:
         print(f"step time: {1e3 * step_time / (args.max_epochs - start_epoch):.2f} ms\ndone | val_loss:{val_loss:.6f} "
               f"floor:{LOSS_FLOOR:.6f} ({val_loss / LOSS_FLOOR:.3f} × floor)", flush=True)

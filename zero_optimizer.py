@@ -12,7 +12,7 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  imported after init_process_group, it keeps the group alive at exit
+import torch.distributed.nn  # noqa: F401  first: imported later (Adam does), it holds the group at exit
 import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -92,7 +92,7 @@ def epoch_means(train_totals: tuple, val_totals: tuple) -> tuple[float, float]:
 
 def train(args: argparse.Namespace, rank: int, world_size: int) -> torch.nn.Module:
     train_loader, val_loader = make_loaders(args, rank, world_size)
-    print(f"[rank {rank}/{world_size}] {len(train_loader)} steps per epoch\n", end="", flush=True)  # one write
+    print(f"[rank {rank}/{world_size}] {len(train_loader)} steps per epoch\n", end="", flush=True)  # 1 write: unmixed
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = build_model(args.model)
     # ZeRO: each rank's own Adam, for a share of whole parameters dealt out largest first to the emptiest rank
@@ -121,11 +121,11 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> torch.nn.Modu
         if args.checkpoint and not args.no_zero:  # a collective: the others broadcast their shares, rank 0 keeps them
             optimizer.consolidate_state_dict(to=0)  # without it rank 0's state_dict() raises, or is stale
         if rank == 0:  # one writer; no barrier after it, as no rank reads the file during the run
-            print(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}", flush=True)
             if args.checkpoint:  # .module: keys without DDP's "module." prefix, loadable by a plain model
                 state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1}
                 torch.save(state, args.checkpoint + ".tmp")  # a kill mid-write leaves the old file whole
                 os.replace(args.checkpoint + ".tmp", args.checkpoint)
+            print(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}", flush=True)  # once saved
     if rank == 0 and start_epoch < args.max_epochs:
         print(f"step time: {1e3 * step_time / (args.max_epochs - start_epoch):.2f} ms\ndone | val_loss:{val_loss:.6f} "
               f"floor:{LOSS_FLOOR:.6f} ({val_loss / LOSS_FLOOR:.3f} × floor)", flush=True)
