@@ -40,6 +40,8 @@ def parse_args() -> argparse.Namespace:
     for name in ("max_epochs", "batch_size", "lr", "train_size", "val_size"):
         if not 0 < getattr(args, name) < 1e7:  # also refuses nan
             parser.error(f"--{name} must be above 0 and below 1e7, got {getattr(args, name)}")
+    if args.clip_grad_norm is not None and not 0 < args.clip_grad_norm < 1e7:  # -1 would flip the gradients
+        parser.error(f"--clip_grad_norm must be above 0 and below 1e7, got {args.clip_grad_norm}")
     return args
 
 

@@ -72,6 +72,8 @@ MISTAKES = {
                                   "error: --lr must be above 0 and below 1e7, got inf"),
     "no training samples": (["singlenode_gpu.py", "--train_size", "0"], {},
                             "error: --train_size must be above 0 and below 1e7, got 0"),
+    "a negative clipping norm": (["singlenode_gpu.py", "--clip_grad_norm", "-1"], {},
+                                 "error: --clip_grad_norm must be above 0 and below 1e7, got -1.0"),
     "fp16 on the CPU lesson": (["singlenode_cpu.py", "--precision", "fp16"], {},
                                "error: unrecognized arguments: --precision fp16"),
 }
