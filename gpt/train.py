@@ -304,9 +304,11 @@ class StopRequest:
     twice (from Slurm and from torchrun; Linux's parent-death signal once per re-parenting): the
     second changes nothing. `kill -9` is the way to stop without saving."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: float | None) -> None:
         self.signal, self.number, self.name = 0, 0, None
-        self.group = dist.new_group(backend="gloo")  # a CPU flag: no device sync; not the checkpoint thread's group
+        # A CPU flag: no device sync; not the checkpoint thread's group. new_group's timeout is not the world
+        # group's but the backend's default (30 minutes for gloo): a vanished host would stall the job that long.
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout) if timeout else None)
         self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def handle(self, signum: int, frame) -> None:
@@ -432,7 +434,7 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
     first_step = resume(args, checkpoints, model, optimizer, scaler, config, rank)
     if rank == 0:
         metrics = open_metrics(args.out_dir, first_step)
-    stop = StopRequest()
+    stop = StopRequest(args.timeout)
     if isinstance(model, DDP) and first_step < args.max_steps:
         starts = data.batch_starts(first_step, args.seed, len(tokens.train), args.seq_len, global_batch)
         settle_buckets(model, data.windows(tokens.train, starts[:args.batch_size], args.seq_len, device)[0], autocast)
