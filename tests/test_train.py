@@ -240,3 +240,28 @@ def test_no_gloo_thread_outlives_destroy_process_group():
     before, during, after = map(int, check(run([sys.executable, "-c", code], timeout=60)).split())
     assert during > before  # gloo's threads ran
     assert after == before
+
+
+LESSONS = {"single_process.py": 150, "singlenode_cpu.py": 130, "singlenode_gpu.py": 160, "mp_spawn.py": 150,
+           "start_with_torchrun.py": 150, "grad_accumulation.py": 150, "uneven_inputs.py": 150,
+           "unused_parameters.py": 150, "sync_batchnorm.py": 150, "model_parallel.py": 150, "debug_hang.py": 150,
+           "zero_optimizer.py": 150, "fsdp2.py": 150, "comm_intro.py": 300, "comm_collectives.py": 300,
+           "bench_comm.py": 300, "bench_ddp.py": 300, "bench_memory.py": 300}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("script", LESSONS)
+def test_each_lesson_is_short_and_standalone(script):
+    """A lesson imports torch, numpy, the standard library, data.py and model.py, and nothing else of the
+    project (the benchmarks: benchtools.py too, bench_comm.py comm_collectives.py's ring, bench_ddp.py
+    matplotlib, the optional extra that draws its trace)."""
+    path = REPO / script
+    assert len(path.read_text().splitlines()) <= LESSONS[script]
+    allowed = {"torch", "numpy", "data", "model", *sys.stdlib_module_names}
+    if script.startswith("bench"):
+        allowed |= {"benchtools", "comm_collectives", "matplotlib"}
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) else []
+        for name in names:
+            assert name.split(".")[0] in allowed, f"{script} imports {name}"
