@@ -118,7 +118,7 @@ def main() -> None:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store = None  # env://: meets at MASTER_ADDR:MASTER_PORT, which the launcher sets
     else:
-        print("no launcher: training as one process; for N: torchrun --nproc-per-node N start_with_torchrun.py")
+        print("no launcher: one process; for N: torchrun --standalone --nproc-per-node N start_with_torchrun.py")
         rank, world_size = 0, 1
         store = dist.HashStore()  # a world of one needs no network: an in-memory store will do
     if world_size > args.train_size:

@@ -25,10 +25,11 @@ KILL_CHAIN = [
 # The chain as docs/first_training.md shows it, with the output the docs test compares.
 DOCUMENTED = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 PYTHONPATH=tests/inject KILL_RANK=2,1,0 "
               "KILL_AT=init:1,eval:5,save:1 torchrun --standalone --nproc-per-node 3 --max-restarts 3 "
-              "singlenode_cpu.py " + " ".join(ARGV) + " --checkpoint ckpt.pt")
+              "singlenode_cpu.py " + " ".join(ARGV) + " --checkpoint restart.pt")
 
 
-def check_restarted(code: int, stdout: str, folder, kills: list[tuple[str, str]], ddp_runs) -> None:
+def check_restarted(code: int, stdout: str, folder, kills: list[tuple[str, str]], ddp_runs,
+                    checkpoint: str = "ckpt.pt") -> None:
     """The restart command at 3 ranks, with a worker killed at each of `kills` in turn, ended with each
     epoch printed once after its last attempt, and the uninterrupted run's weights (to the tolerance of
     test_train: a restarted DDP lays out its buckets afresh)."""
@@ -36,20 +37,20 @@ def check_restarted(code: int, stdout: str, folder, kills: list[tuple[str, str]]
     for rank, moment in kills:
         assert f"[inject] SIGKILL rank {rank} at {moment.replace(':', ' ')}" in stdout  # it did happen
     epoch_losses(stdout)  # no epoch printed twice: the line comes once the epoch is saved
-    saved = torch.load(folder / "ckpt.pt", weights_only=True)
+    saved = torch.load(folder / checkpoint, weights_only=True)
     assert saved["epoch"] == 3
     uninterrupted, _ = ddp_runs[3]
     for name, tensor in uninterrupted[0].items():
         torch.testing.assert_close(saved["model"][name], tensor, **TOLERANCE, msg=name)
-    assert sorted(p.name for p in folder.iterdir() if p.name.startswith("ckpt")) == ["ckpt.pt"]
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(checkpoint)) == [checkpoint]  # no .tmp
 
 
 def test_three_killed_workers_in_a_row_cost_only_the_epoch_in_flight(ddp_runs):
     """Run as the docs show it (rerun once, shared with tests/test_docs_output.py)."""
     documented(DOCUMENTED)
     output, = rerun(DOCUMENTED)
-    check_restarted(output.codes[0], output.text, output.cwd, KILL_CHAIN, ddp_runs)
-    assert output.text.count("resuming from ckpt.pt: 1 of 3 epochs done") == 2  # epoch 1 saved only at the end
+    check_restarted(output.codes[0], output.text, output.cwd, KILL_CHAIN, ddp_runs, "restart.pt")
+    assert output.text.count("resuming from restart.pt: 1 of 3 epochs done") == 2  # epoch 1 saved only at the end
 
 
 @pytest.mark.parametrize("moment", [random.choice(["step:20", "step:40", "eval:9", "time:2.5"])])

@@ -58,7 +58,7 @@ def test_start_with_torchrun_without_a_launcher_is_single_process_to_the_bit(tmp
     """A world of one: DDP's average over one rank is the gradient itself, and DistributedSampler's
     permutation is single_process.py's."""
     stdout = check(python("start_with_torchrun.py", *ARGV, "--checkpoint", str(tmp_path / "ckpt.pt")))
-    assert "no launcher: training as one process" in stdout
+    assert "no launcher: one process; for N: torchrun --standalone" in stdout
     expected, _ = one_process(ARGV)
     weights = torch.load(tmp_path / "ckpt.pt", weights_only=True)["model"]
     assert all(torch.equal(weights[name], tensor) for name, tensor in expected.items())
