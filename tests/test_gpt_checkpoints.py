@@ -233,3 +233,37 @@ def test_after_a_resume_the_optimizer_state_lives_where_a_fresh_runs_does(parall
     assert report["resumed"] == report["fresh"]
     assert {key for entry in report["resumed"] for key in entry} == {"step", "exp_avg", "exp_avg_sq"}
     assert "resuming from out/step_00000020" in result.stdouts[0]
+
+
+def test_restarts_on_several_nodes_on_torchruns_shared_store_are_refused_in_one_line():
+    """The agents of several nodes do not agree on the attempt's number, so the per-attempt keys cannot
+    keep a restart apart there: without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 train.py refuses at start."""
+    code = "import sys; sys.path.insert(0, 'gpt'); import train; train.attempt_store(0)"
+    env = {"GROUP_WORLD_SIZE": "2", "TORCHELASTIC_MAX_RESTARTS": "3"}
+    result = run([sys.executable, "-c", code], env=env, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == ("error: torchrun --max-restarts on several nodes needs "
+                                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment on every node "
+                                     "(pytorch/pytorch#135712)")
+
+
+def test_a_kill_9_of_torchrun_stops_its_workers_which_save_the_step_in_flight(tmp_path):
+    """torchrun starts each worker in a session of its own, so nothing reaches them when it dies; Linux's
+    parent-death signal does: a SIGTERM, which stops the run as a preemption does."""
+    group = Group(tmp_path)
+    agent = group.start([TORCHRUN, "--standalone", "--nproc-per-node", "2", TRAIN, *ARGV, *split(2),
+                         "--max_steps", "100000", "--out_dir", str(tmp_path / "out")])
+    group.wait_for(0, "step 3 ", timeout=90)
+    workers = descendants(agent.pid)
+    assert workers
+    os.kill(agent.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while any(os.path.exists(f"/proc/{pid}") and "Z" not in open(f"/proc/{pid}/stat").read().split()[2]
+              for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = [pid for pid in workers if os.path.exists(f"/proc/{pid}")
+             and "Z" not in open(f"/proc/{pid}/stat").read().split()[2]]
+    for pid in alive:  # a failing test leaves no process behind
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"workers {alive} outlived torchrun"
+    assert any(name.startswith("step_") for name in os.listdir(tmp_path / "out"))  # the step in flight, saved
