@@ -113,7 +113,8 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int)
         checkpoint = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
-        scaler.load_state_dict(checkpoint["scaler"])  # fp16: the scale that the run had reached
+        if checkpoint.get("scaler"):  # fp16's scale; {} from a run without fp16: a fresh one
+            scaler.load_state_dict(checkpoint["scaler"])
         start_epoch = checkpoint["epoch"]  # the next epoch to run: none is repeated
         if rank == 0:
             print(f"resuming from {args.checkpoint}: {start_epoch} of {args.max_epochs} epochs done", flush=True)
