@@ -106,9 +106,9 @@ def test_started_with_python_the_flagship_says_how_to_launch_in_one_line():
 def test_the_gpu_lesson_on_a_machine_without_a_gpu_is_one_line_per_rank():
     result = torchrun(2, "singlenode_gpu.py")
     assert result.returncode != 0 and 'singlenode_gpu.py", line' not in result.stderr  # torchrun's own report only
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert sorted(errors) == ["error: local rank 0 but 0 GPUs: one process per GPU",
-                              "error: local rank 1 but 0 GPUs: one process per GPU"]
+    # Each rank's line is one write, but Python writes a SystemExit's newline apart: two lines can share one.
+    for rank in range(2):
+        assert result.stderr.count(f"error: local rank {rank} but 0 GPUs: one process per GPU") == 1
 
 
 def test_no_script_loads_a_checkpoint_without_weights_only():
