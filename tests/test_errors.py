@@ -51,6 +51,7 @@ def assert_one_line(code: int, stderr: str, message: str) -> None:
 
 TORCHRUN = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "5", "LOCAL_WORLD_SIZE": "5", "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": "1"}  # what torchrun sets in rank 0 of 5; nothing listens at the port
+ONE = {"RANK": "0", "WORLD_SIZE": "1"}  # what torchrun sets, where the mistake is found before any rendezvous
 MISTAKES = {
     # name: (script and arguments, environment, text of the one error line)
     "started with python": (["singlenode_cpu.py"], {}, "error: start this script with torchrun --standalone"),
@@ -76,6 +77,42 @@ MISTAKES = {
                                  "error: --clip_grad_norm must be above 0 and below 1e7, got -1.0"),
     "fp16 on the CPU lesson": (["singlenode_cpu.py", "--precision", "fp16"], {},
                                "error: unrecognized arguments: --precision fp16"),
+    # The lessons past the basics, each with its own options.
+    "accumulation started with python": (["grad_accumulation.py"], {},
+                                         "error: start this script with torchrun --standalone --nproc-per-node 2"),
+    "no micro-batches": (["grad_accumulation.py", "--accum_steps", "0"], ONE,
+                         "error: --accum_steps must be above 0 and below 1e7, got 0"),
+    "more micro-batches than samples": (["grad_accumulation.py", "--accum_steps", "8", "--batch_size", "7"], ONE,
+                                        "error: --accum_steps 8 is more than --batch_size 7"),
+    "uneven inputs started with python": (["uneven_inputs.py"], {},
+                                          "error: start this script with torchrun --standalone --nproc-per-node 2"),
+    "too few samples for the uneven files": (["uneven_inputs.py", "--train_size", "5"], {**ONE, "WORLD_SIZE": "3"},
+                                             "error: 3 ranks but 5 training samples: files of 1 to 3 parts need 6"),
+    "unused parameters started with python": (["unused_parameters.py"], {},
+                                              "error: start this script with torchrun --standalone --nproc-per-node 2"),
+    "an unknown fix": (["unused_parameters.py", "--fix", "ignore"], ONE, "error: argument --fix: invalid choice"),
+    "an unknown branch": (["unused_parameters.py", "--branch", "sometimes"], ONE,
+                          "error: argument --branch: invalid choice: 'sometimes'"),
+    "BatchNorm started with python": (["sync_batchnorm.py"], {},
+                                      "error: start this script with torchrun --standalone --nproc-per-node 2"),
+    "a last batch of one sample": (["sync_batchnorm.py", "--train_size", "65"], ONE,  # 65 = 2 × 32 + 1
+                                   "error: a batch of 1 sample has no BatchNorm statistics"),
+    "a rank's last batch of one sample": (["sync_batchnorm.py", "--train_size", "130", "--batch_size", "4"],
+                                          {**ONE, "WORLD_SIZE": "2"},  # 65 per rank = 16 × 4 + 1
+                                          "error: a batch of 1 sample has no BatchNorm statistics"),
+    "a batch of one sample": (["sync_batchnorm.py", "--batch_size", "1"], {**ONE, "WORLD_SIZE": "2"},
+                              "error: a batch of 1 sample has no BatchNorm statistics"),
+    "an unknown BatchNorm": (["sync_batchnorm.py", "--bn", "global"], {}, "error: argument --bn: invalid choice"),
+    "two stages started with python": (["model_parallel.py"], {},
+                                       "error: start this script with torchrun --standalone --nproc-per-node 2"),
+    "two stages, more ranks than samples": (["model_parallel.py", "--train_size", "2"], {**ONE, "WORLD_SIZE": "3"},
+                                            "error: 3 ranks but 2 training samples: each needs one"),
+    "a hang started with python": (["debug_hang.py"], {},
+                                   "error: start this script with torchrun --standalone --nproc-per-node 2"),
+    "no timeout": (["debug_hang.py", "--timeout", "0"], {}, "error: --timeout must be above 0 and below 1e7, got 0.0"),
+    "a timeout of nan": (["debug_hang.py", "--timeout", "nan"], {}, "error: --timeout must be above 0 and below 1e7"),
+    "a timeout that is not a number": (["debug_hang.py", "--timeout", "soon"], {},
+                                       "error: argument --timeout: invalid float value: 'soon'"),
 }
 
 

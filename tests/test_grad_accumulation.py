@@ -109,23 +109,3 @@ def test_what_accumulation_does_not_change_is_singlenode_cpus_code():
     assert list(lesson) == list(reference)  # the same functions, in the same order
     for name in ("make_loaders", "evaluate", "epoch_means"):
         assert lesson[name] == reference[name], name
-
-
-@pytest.mark.parametrize("argv, environment, message", [
-    ([], {}, "error: start this script with torchrun --standalone --nproc-per-node 2 grad_accumulation.py"),
-    (["--accum_steps", "0"], {"RANK": "0", "WORLD_SIZE": "1"},
-     "error: --accum_steps must be above 0 and below 1e7, got 0"),
-    (["--accum_steps", "8", "--batch_size", "7"], {"RANK": "0", "WORLD_SIZE": "1"},
-     "error: --accum_steps 8 is more than --batch_size 7: a micro-batch needs a sample"),
-])
-def test_a_wrong_start_is_one_line(argv, environment, message, monkeypatch, capsys):
-    monkeypatch.delenv("RANK", raising=False)
-    for name, value in environment.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(sys, "argv", ["grad_accumulation.py", *argv])
-    with pytest.raises(SystemExit) as stopped:
-        grad_accumulation.main()
-    code, stderr = stopped.value.code, capsys.readouterr().err
-    shown = stderr if code == 2 else f"{code}\n"  # parser.error prints and exits 2; SystemExit(text) prints text
-    error_lines = [line for line in shown.splitlines() if "error:" in line]  # argparse adds its usage
-    assert len(error_lines) == 1 and error_lines[0].endswith(message), shown

@@ -59,19 +59,3 @@ def test_the_two_stages_are_the_model_cut_in_order():
     assert [p.data_ptr() for p in model.parameters()] == [p.data_ptr() for p in net.parameters()]  # same order
     x = torch.randn(5, 20)
     assert torch.equal(model(x), net(x))
-
-
-@pytest.mark.parametrize("env, argv, message", [
-    ({}, [], "error: start this script with torchrun --standalone --nproc-per-node 2 model_parallel.py"),
-    ({"RANK": "0", "WORLD_SIZE": "3"}, ["--train_size", "2"], "error: 3 ranks but 2 training samples: each needs one"),
-    ({}, ["--lr", "fast"], "model_parallel.py: error: argument --lr: invalid float value: 'fast'"),
-])
-def test_a_bad_start_is_one_line(env, argv, message, monkeypatch, capsys):
-    monkeypatch.delenv("RANK", raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(sys, "argv", ["model_parallel.py", *argv])
-    with pytest.raises(SystemExit) as exit_info:
-        model_parallel.main()  # each stops before init_process_group
-    errors = [line for line in (str(exit_info.value.code), *capsys.readouterr().err.splitlines()) if "error" in line]
-    assert errors == [message]

@@ -141,25 +141,3 @@ def test_rank_0_prints_how_far_apart_the_running_statistics_are(runs):
 def test_nn_syncbatchnorm_refuses_a_cpu_tensor_in_training(runs):
     _, results, _ = runs
     assert results[0]["nn.SyncBatchNorm on CPU"].startswith("SyncBatchNorm expected input tensor to be on GPU")
-
-
-@pytest.mark.parametrize("env, argv, message", [
-    ({}, [], "error: start this script with torchrun --standalone --nproc-per-node 2 sync_batchnorm.py"),
-    ({"RANK": "0", "WORLD_SIZE": "1"}, ["--train_size", "65"],  # 65 = 2 × 32 + 1
-     "error: a batch of 1 sample has no BatchNorm statistics: change --batch_size or --train_size"),
-    ({"RANK": "0", "WORLD_SIZE": "2"}, ["--train_size", "130", "--batch_size", "4"],  # 65 per rank = 16 × 4 + 1
-     "error: a batch of 1 sample has no BatchNorm statistics: change --batch_size or --train_size"),
-    ({"RANK": "0", "WORLD_SIZE": "2"}, ["--batch_size", "1"],
-     "error: a batch of 1 sample has no BatchNorm statistics: change --batch_size or --train_size"),
-    ({}, ["--bn", "global"], "sync_batchnorm.py: error: argument --bn: invalid choice: 'global' (choose from "
-                             "'sync', 'local')"),
-])
-def test_a_bad_start_is_one_line(env, argv, message, monkeypatch, capsys):
-    monkeypatch.delenv("RANK", raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(sys, "argv", ["sync_batchnorm.py", *argv])
-    with pytest.raises(SystemExit) as exit_info:
-        sync_batchnorm.main()  # each stops before init_process_group
-    errors = [line for line in (str(exit_info.value.code), *capsys.readouterr().err.splitlines()) if "error" in line]
-    assert errors == [message]

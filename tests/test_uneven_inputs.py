@@ -177,18 +177,3 @@ def test_what_join_does_not_change_is_singlenode_cpus_code():
     assert list(lesson) == list(reference)  # the same functions, in the same order
     for name in ("train_one_epoch", "evaluate", "epoch_means"):
         assert lesson[name] == reference[name], name
-
-
-@pytest.mark.parametrize("argv, environment, message", [
-    ([], {}, "error: start this script with torchrun --standalone --nproc-per-node 2 uneven_inputs.py"),
-    (["--train_size", "5"], {"RANK": "0", "WORLD_SIZE": "3"},
-     "error: 3 ranks but 5 training samples: files of 1 to 3 parts need 6 or more"),
-])
-def test_a_wrong_start_is_one_line(argv, environment, message, monkeypatch):
-    monkeypatch.delenv("RANK", raising=False)
-    for name, value in environment.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(sys, "argv", ["uneven_inputs.py", *argv])
-    with pytest.raises(SystemExit) as stopped:
-        uneven_inputs.main()
-    assert stopped.value.code == message  # what Python prints, as the one line on stderr

@@ -167,22 +167,3 @@ def test_what_the_branch_does_not_change_is_singlenode_cpus_code():
     assert list(lesson) == list(reference)  # the same functions, in the same order
     for name in ("make_loaders", "evaluate", "epoch_means"):
         assert lesson[name] == reference[name], name
-
-
-@pytest.mark.parametrize("argv, environment, message", [
-    ([], {}, "error: start this script with torchrun --standalone --nproc-per-node 2 unused_parameters.py"),
-    (["--fix", "ignore"], {"RANK": "0", "WORLD_SIZE": "1"}, "error: argument --fix: invalid choice: 'ignore'"),
-    (["--branch", "sometimes"], {"RANK": "0", "WORLD_SIZE": "1"},
-     "error: argument --branch: invalid choice: 'sometimes'"),
-])
-def test_a_wrong_start_is_one_line(argv, environment, message, monkeypatch, capsys):
-    monkeypatch.delenv("RANK", raising=False)
-    for name, value in environment.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(sys, "argv", ["unused_parameters.py", *argv])
-    with pytest.raises(SystemExit) as stopped:
-        unused_parameters.main()
-    code, stderr = stopped.value.code, capsys.readouterr().err
-    shown = stderr if code == 2 else f"{code}\n"  # parser.error prints and exits 2; SystemExit(text) prints text
-    error_lines = [line for line in shown.splitlines() if "error:" in line]  # argparse adds its usage
-    assert len(error_lines) == 1 and message in error_lines[0], shown
