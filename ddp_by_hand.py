@@ -1,0 +1,200 @@
+"""Data-parallel training with DDP written by hand: gradient buckets all-reduced while backward runs.
+
+`diff singlenode_cpu.py ddp_by_hand.py` is the lesson: torch's DistributedDataParallel gives way to the
+class below, which a reader can import into their own loop. It broadcasts rank 0's weights, and hooks
+each parameter: as a gradient becomes ready it joins a bucket of --bucket_mb, and a full bucket is
+all-reduced at once, asynchronously, while backward goes on; finish_gradient_synchronization() waits.
+
+    torchrun --standalone --nproc-per-node 4 ddp_by_hand.py --checkpoint ckpt.pt
+"""
+import argparse
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  first: imported later (Adam does), it holds the group at exit
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+from data import LOSS_FLOOR, make_datasets
+from model import build_model
+
+
+class DDP(nn.Module):
+    """DistributedDataParallel by hand. The gradients of each step, averaged over the ranks, are in every
+    .grad once finish_gradient_synchronization() returns; within no_sync() they only accumulate."""
+
+    def __init__(self, module: nn.Module, bucket_mb: float = 25) -> None:
+        super().__init__()
+        self.module, self.bucket_bytes, self.sync = module, bucket_mb * 2**20, True
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.detach(), src=0)  # every replica starts from rank 0's weights
+        # parameters() yields a tied weight once; a frozen one needs no all-reduce.
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.plan(self.params[::-1])  # a first guess: backward reaches the last layers first
+        self.ready_order: list[nn.Parameter] = []
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self.ready)
+
+    def plan(self, order: list[nn.Parameter]) -> None:
+        """Buckets of about bucket_bytes, filled in `order`, the order the gradients become ready in."""
+        self.buckets, size = [[]], 0
+        for p in order:
+            if size and size + p.numel() * p.element_size() > self.bucket_bytes:
+                self.buckets, size = [*self.buckets, []], 0
+            self.buckets[-1].append(p)
+            size += p.numel() * p.element_size()
+        self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.waiting = [len(bucket) for bucket in self.buckets]
+        self.in_flight: dict[int, tuple[dist.Work, torch.Tensor]] = {}
+
+    def ready(self, p: nn.Parameter) -> None:
+        """A parameter's gradient is complete for this backward: once its bucket's are, all-reduce it."""
+        if not self.sync:
+            return  # no_sync(): the gradients only add up in .grad
+        self.ready_order.append(p)
+        i = self.bucket_of[p]
+        self.waiting[i] -= 1
+        if self.waiting[i] == 0:
+            self.launch(i)
+
+    def launch(self, i: int) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[i]]
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(dist.get_world_size())  # divided first, as DDP does
+        self.in_flight[i] = (dist.all_reduce(flat, async_op=True), flat)  # returns at once: backward goes on
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for every bucket and leave the mean gradient in each .grad."""
+        for i in range(len(self.buckets)):
+            if i not in self.in_flight:
+                self.launch(i)  # a parameter this step did not use: its bucket still goes, with zeros
+            work, flat = self.in_flight[i]
+            work.wait()
+            for p, g in zip(self.buckets[i], flat.split([p.numel() for p in self.buckets[i]]), strict=True):
+                p.grad = g.view_as(p)
+        if self.ready_order != [p for bucket in self.buckets for p in bucket]:
+            self.plan(list(dict.fromkeys(self.ready_order + self.params[::-1])))  # the order seen, as torch does
+        self.waiting, self.in_flight, self.ready_order = [len(b) for b in self.buckets], {}, []
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulation: the backward passes inside only add up; the next one outside all-reduces the sum."""
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max_epochs", type=int, default=10, help="epochs to train in all")
+    parser.add_argument("--batch_size", type=int, default=32, help="samples per step on each rank")
+    parser.add_argument("--lr", type=float, default=0.005, help="Adam learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and of the shuffle")
+    parser.add_argument("--train_size", type=int, default=4096, help="training samples")
+    parser.add_argument("--val_size", type=int, default=1024, help="validation samples")
+    parser.add_argument("--checkpoint", default=None, help="saved after every epoch; resumed from if it exists")
+    parser.add_argument("--bucket_mb", type=float, default=25, help="megabytes of gradients per all-reduce")
+    args = parser.parse_args()
+    for name in ("max_epochs", "batch_size", "lr", "train_size", "val_size", "bucket_mb"):
+        if not 0 < getattr(args, name) < 1e7:  # also refuses nan
+            parser.error(f"--{name} must be above 0 and below 1e7, got {getattr(args, name)}")
+    return args
+
+
+def make_loaders(args: argparse.Namespace, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
+    train_set, val_set = make_datasets(args.train_size, args.val_size)
+    # Rank r takes samples r, r + N, r + 2N, ... of a permutation of seed + epoch, repeating a few if N does
+    # not divide the size: a rank with an extra step would wait for ever in that step's all-reduce.
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+    # Validation all-reduces no gradients, so it needs no equal steps: a strided shard, no repeats.
+    val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=args.batch_size)
+    return train_loader, val_loader
+
+
+def train_one_epoch(model: torch.nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer):
+    """Return (sum of loss × samples, samples) over this rank's shard."""
+    model.train()
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for x, y in loader:
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()  # the hooks all-reduce each bucket as it fills, while backward goes on
+        model.finish_gradient_synchronization()  # every bucket's mean gradient in .grad, before the step
+        optimizer.step()
+        loss_sum += loss.detach() * len(y)  # stays a tensor: no sync per step
+    return loss_sum, len(loader.sampler)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader: DataLoader):
+    """Return (sum of squared errors, samples) over this rank's validation shard."""
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for x, y in loader:
+        loss_sum += F.mse_loss(model(x), y, reduction="sum")
+    return loss_sum, len(loader.dataset)
+
+
+def epoch_means(train_totals: tuple, val_totals: tuple) -> tuple[float, float]:
+    """Means over every sample of every rank. Every rank all-reduces: behind `if rank == 0` the others never join."""
+    totals = torch.tensor([*train_totals, *val_totals], dtype=torch.float64)
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    return (totals[0] / totals[1]).item(), (totals[2] / totals[3]).item()
+
+
+def train(args: argparse.Namespace, rank: int, world_size: int) -> torch.nn.Module:
+    train_loader, val_loader = make_loaders(args, rank, world_size)
+    print(f"[rank {rank}/{world_size}] {len(train_loader)} steps per epoch\n", end="", flush=True)  # 1 write: unmixed
+    torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
+    model = build_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    start_epoch = 0
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        # Every rank loads its replica; map_location: not onto the saver's device. weights_only: no code runs.
+        checkpoint = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        start_epoch = checkpoint["epoch"]  # the next epoch to run: none is repeated
+        if rank == 0:
+            print(f"resuming from {args.checkpoint}: {start_epoch} of {args.max_epochs} epochs done", flush=True)
+    model = DDP(model, args.bucket_mb)  # broadcasts rank 0's weights; each backward averages the gradients
+    for epoch in range(start_epoch, args.max_epochs):
+        train_loader.sampler.set_epoch(epoch)  # reseeds the shuffle: without it every epoch has one order
+        train_totals = train_one_epoch(model, train_loader, optimizer)
+        val_totals = evaluate(model.module, val_loader)  # .module: a forward through DDP may wait for ranks
+        train_loss, val_loss = epoch_means(train_totals, val_totals)
+        if rank == 0:  # one writer; no barrier after it, as no rank reads the file during the run
+            if args.checkpoint:  # .module: keys without DDP's "module." prefix, loadable by a plain model
+                state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1}
+                torch.save(state, args.checkpoint + ".tmp")  # a kill mid-write leaves the old file whole
+                os.replace(args.checkpoint + ".tmp", args.checkpoint)
+            print(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}", flush=True)  # once saved
+    if rank == 0 and start_epoch < args.max_epochs:
+        print(f"done | val_loss:{val_loss:.6f} floor:{LOSS_FLOOR:.6f} ({val_loss / LOSS_FLOOR:.3f} × floor)")
+    return model.module
+
+
+def main() -> None:
+    args = parse_args()
+    if "RANK" not in os.environ:  # torchrun sets these in every process (and OMP_NUM_THREADS=1)
+        raise SystemExit("error: start this script with torchrun --standalone --nproc-per-node 4 ddp_by_hand.py")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world_size > args.train_size:
+        raise SystemExit(f"error: {world_size} ranks but {args.train_size} training samples: each needs one")
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)  # env://: meets at MASTER_ADDR:MASTER_PORT
+    try:  # destroy also when training raises: gloo's threads end with the group
+        train(args, rank, world_size)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
