@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from conftest import ARGV
 from harness import spawn
-from test_train import TOLERANCE
+from test_train import TOLERANCE, global_batch, one_process
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from workers import train_script
@@ -87,3 +87,13 @@ def test_accumulated_tied_and_frozen_gradients_are_torchs(runs, world_size):
             if a is not None:
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
         assert sorted(results[rank]["all-reduces in the synced backward"]) == [4, 16, 16]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_script_trains_what_one_process_trains_with_the_global_batch(runs, world_size):
+    """To 1e-6, as for torch's DDP (tests/test_train.py): N per-rank means averaged where one process takes
+    one mean of N × B losses."""
+    results, _ = runs[world_size]
+    expected, _ = one_process(global_batch(world_size))
+    for name, tensor in expected.items():
+        torch.testing.assert_close(results[0]["script"][name], tensor, **TOLERANCE, msg=name)
