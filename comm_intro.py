@@ -1,9 +1,6 @@
-"""First steps with torch.distributed: messages between ranks, the first collective, a group of some of the
-ranks, and the three ways for processes to find each other. Next: comm_collectives.py. In docs/communication.md.
-
-Every rank prints what it received, prefixed `[rank r/w]`, and checks it against the value it knows to
-expect; a mismatch on any rank makes every rank exit with status 1. With one process the messages, which
-need a partner, are skipped.
+"""First steps with torch.distributed: messages between ranks, the first collective, a group of some ranks,
+and three ways to meet (docs/communication.md; next: comm_collectives.py). Each rank prints what it received,
+`[rank r/w]` first, and checks it; a mismatch on any rank makes every rank exit 1.
 
     torchrun --standalone --nproc-per-node 4 comm_intro.py  # any number of processes, gloo on CPUs
 """
@@ -44,8 +41,7 @@ def blocking_send_recv(rank: int, world_size: int) -> bool:
             dist.send(message, dst=dst)  # returns once the message is handed over: `message` may then change
             say(rank, world_size, f"send to rank {dst}: {fmt(message)}")
         return True
-    # Only the bytes travel: the receiver allocates the sender's shape and dtype, and recv fills it in place.
-    message = torch.zeros(3)
+    message = torch.zeros(3)  # only bytes travel: the receiver allocates the sender's shape and dtype
     dist.recv(message, src=0)  # blocks until the message is here
     return check(rank, world_size, "recv from rank 0", message, [100.0 + rank] * 3)
 
@@ -71,8 +67,7 @@ def ring_exchange(rank: int, world_size: int) -> bool:
     next_rank, prev_rank = (rank + 1) % world_size, (rank - 1) % world_size  # the same rank when there are two
     outgoing, incoming = torch.full((2,), float(rank)), torch.zeros(2)
     ops = [dist.P2POp(dist.isend, outgoing, next_rank), dist.P2POp(dist.irecv, incoming, prev_rank)]
-    # With blocking calls every rank would sit in send() until its neighbour receives, and none would get to
-    # recv(): a deadlock. batch_isend_irecv starts both together.
+    # Blocking, every rank would sit in send() and none would reach recv(): batch_isend_irecv starts both.
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     return check(rank, world_size, f"ring: sent {fmt(outgoing)} to rank {next_rank}, got from rank {prev_rank}",
@@ -85,9 +80,8 @@ def first_all_reduce(rank: int, world_size: int) -> bool:
     sum_of_ranks = world_size * (world_size + 1) / 2  # 1 + 2 + ... + world_size
     for op, expected in ((dist.ReduceOp.SUM, sum_of_ranks), (dist.ReduceOp.AVG, sum_of_ranks / world_size)):
         tensor = torch.tensor([rank + 1.0])
-        before = fmt(tensor)
         dist.all_reduce(tensor, op=op)  # every rank calls it, with one shape and dtype; the result replaces tensor
-        ok &= check(rank, world_size, f"all_reduce {op.name}: before {before}, after", tensor, [expected])
+        ok &= check(rank, world_size, f"all_reduce {op.name}: before [{rank + 1:g}], after", tensor, [expected])
     return ok
 
 
@@ -111,16 +105,13 @@ def rendezvous(rank: int, world_size: int) -> bool:
         with socket.socket() as sock:  # a port free now: a fixed one may be another job's
             sock.bind((os.environ["MASTER_ADDR"], 0))
             choice[0] = sock.getsockname()[1]
-        # file://: a file every rank sees (one host, or a shared file system); Windows: file:///C:/path/to/file
         with tempfile.NamedTemporaryFile(prefix="comm_intro_", delete=False) as file:
-            choice[1] = file.name
+            choice[1] = file.name  # file://: a file that every rank sees (one host, or a shared file system)
     dist.broadcast_object_list(choice, src=0)  # the env:// group tells the other ranks rank 0's choice
-    port, path = choice
-    # torchrun tells the ranks to use its own store (TORCHELASTIC_USE_AGENT_STORE=True); without it, rank 0
-    # of tcp:// serves a store of its own, as when processes are started by hand.
+    # Not torchrun's store (TORCHELASTIC_USE_AGENT_STORE=True): rank 0 of tcp:// serves one, as if started by hand.
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     ok = True
-    for init_method in (f"tcp://{os.environ['MASTER_ADDR']}:{port}", Path(path).as_uri()):
+    for init_method in (f"tcp://{os.environ['MASTER_ADDR']}:{choice[0]}", Path(choice[1]).as_uri()):
         dist.destroy_process_group()  # one default group at a time
         # Only env:// reads the rank and world size from the environment; the others are told them.
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
@@ -133,11 +124,9 @@ def rendezvous(rank: int, world_size: int) -> bool:
 def main() -> None:
     parse_args()
     if "RANK" not in os.environ:  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
-        raise SystemExit("error: start this script with torchrun, e.g. torchrun --standalone --nproc-per-node 4 "
-                         "comm_intro.py")
+        raise SystemExit("error: start this script with torchrun --standalone --nproc-per-node 4 comm_intro.py")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    # gloo: CPU tensors. env://, the default, reads MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE; waits for all.
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo")  # env://, the default: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE; waits for all
     say(rank, world_size, f"joined with env:// at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
     try:
         total = torch.zeros((), dtype=torch.int64)  # mismatches
@@ -154,8 +143,7 @@ def main() -> None:
     finally:
         if dist.is_initialized():  # not when an init_process_group in rendezvous() failed
             dist.destroy_process_group()
-    if total.item():
-        raise SystemExit(1)
+    raise SystemExit(1 if total.item() else 0)  # 1: a mismatch on some rank
 
 
 if __name__ == "__main__":

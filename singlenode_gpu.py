@@ -1,13 +1,9 @@
 """Data-parallel training on one machine's GPUs: torchrun starts one process per GPU, nccl connects them.
 
-`diff singlenode_cpu.py singlenode_gpu.py` is the lesson (docs/first_training.md): each process binds the
-GPU of its local rank, batches move there from pinned memory, and the forward can run in bf16, or in
-fp16 with a GradScaler, which must unscale the gradients before they are clipped.
+`diff singlenode_cpu.py singlenode_gpu.py` is the lesson (docs/first_training.md): each process binds its local
+rank's GPU, batches come from pinned memory, the forward runs in bf16, or fp16 with a GradScaler.
 
-    torchrun --standalone --nproc-per-node 8 singlenode_gpu.py --precision bf16 --checkpoint ckpt.pt
     torchrun --standalone --nproc-per-node 8 singlenode_gpu.py --precision fp16 --clip_grad_norm 1.0
-
-Several nodes, restarts and preemption on a cluster: gpt/train.sbatch.
 """
 import argparse
 import os
@@ -37,11 +33,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32", help="dtype of the forward")
     parser.add_argument("--clip_grad_norm", type=float, default=None, help="largest norm of the gradients")
     args = parser.parse_args()
-    for name in ("max_epochs", "batch_size", "lr", "train_size", "val_size"):
-        if not 0 < getattr(args, name) < 1e7:  # also refuses nan
+    for name in ("max_epochs", "batch_size", "lr", "train_size", "val_size", "clip_grad_norm"):
+        if getattr(args, name) is not None and not 0 < getattr(args, name) < 1e7:  # nan too; a clip of -1 flips
             parser.error(f"--{name} must be above 0 and below 1e7, got {getattr(args, name)}")
-    if args.clip_grad_norm is not None and not 0 < args.clip_grad_norm < 1e7:  # -1 would flip the gradients
-        parser.error(f"--clip_grad_norm must be above 0 and below 1e7, got {args.clip_grad_norm}")
     return args
 
 
@@ -50,11 +44,10 @@ def make_loaders(args: argparse.Namespace, rank: int, world_size: int) -> tuple[
     # Rank r takes samples r, r + N, r + 2N, ... of a permutation of seed + epoch, repeating a few if N does
     # not divide the size: a rank with an extra step would wait for ever in that step's all-reduce.
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
-    # Pinned (page-locked) host memory: the copies to the GPU can run without blocking.
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, pin_memory=True)
     # Validation all-reduces no gradients, so it needs no equal steps: a strided shard, no repeats.
     val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=args.batch_size,
-                            pin_memory=True)
+                            pin_memory=True)  # pinned (page-locked) host memory: copies to the GPU need not block
     return train_loader, val_loader
 
 
@@ -68,8 +61,7 @@ def train_one_epoch(model: torch.nn.Module, loader: DataLoader, optimizer: torch
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             loss = F.mse_loss(model(x).float(), y)  # the loss in fp32
-        # fp16 gradients can underflow to 0: the scaler multiplies the loss up and the gradients back down,
-        # and skips a step whose gradients overflowed. A no-op unless enabled.
+        # fp16: the scaler scales the loss up (no gradient underflows to 0), then down; skips steps that overflow
         scaler.scale(loss).backward()  # DDP all-reduces (averages) the gradients here, bucket by bucket
         if clip_grad_norm:
             scaler.unscale_(optimizer)  # else the norm clipped would be the scaled one
@@ -113,8 +105,7 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, world_size: int)
         checkpoint = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
-        if checkpoint.get("scaler"):  # fp16's scale; {} from a run without fp16: a fresh one
-            scaler.load_state_dict(checkpoint["scaler"])
+        scaler.load_state_dict(checkpoint.get("scaler") or scaler.state_dict())  # fp16's scale, or a fresh one
         start_epoch = checkpoint["epoch"]  # the next epoch to run: none is repeated
         if rank == 0:
             print(f"resuming from {args.checkpoint}: {start_epoch} of {args.max_epochs} epochs done", flush=True)

@@ -64,6 +64,6 @@ def test_a_learners_mistakes_are_one_line(monkeypatch):
 
     monkeypatch.delenv("RANK", raising=False)
     assert run_main() == (
-        "error: start this script with torchrun, e.g. torchrun --standalone --nproc-per-node 4 comm_intro.py", "")
+        "error: start this script with torchrun --standalone --nproc-per-node 4 comm_intro.py", "")
     code, stderr = run_main("--backend", "nccl")  # the option it had before
     assert code == 2 and stderr.splitlines()[-1] == "comm_intro.py: error: unrecognized arguments: --backend nccl"
