@@ -1,0 +1,292 @@
+"""ZeRO by hand: the optimizer state (stage 1), then the gradients (2), then the parameters (3) sharded.
+
+A diff of ddp_by_hand.py. Each parameter is flattened, padded and cut into one equal slice per rank.
+Stage 1: ShardedOptimizer keeps the optimizer state of this rank's slices, updates them, all-gathers the
+rest. Stage 2: each gradient is reduce-scattered as backward makes it: a rank keeps its slices. Stage 3:
+FSDP keeps slices of the weights, gathers each layer before its forward and its backward, frees it after.
+
+    torchrun --standalone --nproc-per-node 4 zero_by_hand.py --stage 3 --checkpoint ckpt.pt
+"""
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  first: imported later (Adam does), it holds the group at exit
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+from data import LOSS_FLOOR, make_datasets
+from model import build_model
+
+
+def shard_of(tensor: torch.Tensor, whole: bool = False) -> torch.Tensor:
+    """This rank's slice of the flattened tensor, padded with zeros to a multiple of the ranks (or all of it)."""
+    size = -(-tensor.numel() // dist.get_world_size())  # ceil: every rank's slice is equally long
+    flat = F.pad(tensor.detach().reshape(-1), (0, size * dist.get_world_size() - tensor.numel()))
+    return flat if whole else flat[dist.get_rank() * size:][:size].clone()
+
+
+def gather(shard: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Every rank's slice end to end, unpadded: the whole tensor, on every rank."""
+    flat = torch.empty(shard.numel() * dist.get_world_size(), dtype=shard.dtype)
+    dist.all_gather_single(flat, shard)
+    return flat[:shape.numel()].view(shape)
+
+
+def reduce_scatter(grad: torch.Tensor, shard: nn.Parameter, pending: list) -> None:
+    """Start summing every rank's gradient / N in fp32, of which this rank receives its slice. Returns at once."""
+    out, flat = torch.empty_like(shard), shard_of(grad.float().div(dist.get_world_size()), whole=True)
+    pending.append((dist.reduce_scatter_single(out, flat, async_op=True), shard, out))
+
+
+def wait_for_slices(pending: list) -> None:
+    for work, shard, out in pending:
+        work.wait()
+        shard.grad = out if shard.grad is None else shard.grad.add_(out)  # adds up under accumulation
+    pending.clear()
+
+
+def whole_state(state: dict, shapes: list[torch.Size] | None = None) -> dict:
+    """An optimizer's state_dict over slices → over whole tensors (a collective); with no shapes, back."""
+    whole = {i: {k: (gather(t, shapes[i]) if shapes else shard_of(t)) if t.dim() else t for k, t in s.items()}
+             for i, s in state["state"].items()}  # a 0-d tensor (Adam's step) is the same on every rank
+    return {"state": whole, "param_groups": state["param_groups"]}
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO-1: wraps any optimizer class; each rank keeps the state of its slices and updates them. With
+    reduce_scatter=True, ZeRO-2: each gradient is reduce-scattered as soon as backward makes it."""
+
+    def __init__(self, params, optimizer_cls: type, reduce_scatter: bool = False, **kwargs) -> None:
+        super().__init__(params, kwargs)
+        self.params, self.pending = [p for group in self.param_groups for p in group["params"]], []
+        for p in self.params:
+            dist.broadcast(p.detach(), src=0)  # every rank starts from rank 0's weights, as DDP does
+            if reduce_scatter:
+                p.register_post_accumulate_grad_hook(self.reduce_scatter)
+        self.shard = {p: nn.Parameter(shard_of(p)) for p in self.params}  # fp32 masters of this rank's slices
+        self.inner = optimizer_cls([{**g, "params": [self.shard[p] for p in g["params"]]} for g in self.param_groups])
+
+    def reduce_scatter(self, p: nn.Parameter) -> None:  # stage 2
+        reduce_scatter(p.grad, self.shard[p], self.pending)
+        p.grad = None  # the whole gradient is dropped: the slice is all this rank keeps
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        for ours, theirs in zip(self.param_groups, self.inner.param_groups, strict=True):  # a scheduler's changes
+            theirs.update({k: v for k, v in ours.items() if k != "params"})
+        wait_for_slices(self.pending)  # stage 2's reduce-scatters
+        for p in self.params:
+            if p.grad is not None:  # stage 1: the gradient is whole, averaged already, on every rank
+                self.shard[p].grad = shard_of(p.grad)
+        self.inner.step()  # this rank's slices only
+        for p in self.params:
+            p.copy_(gather(self.shard[p].detach(), p.shape))  # every rank's new slices: the same weights everywhere
+            if p.grad is not None:
+                self.shard[p].grad = None  # stage 1's copy of the slice is spent
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self.inner.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:  # a collective: the wrapped class's own form
+        return whole_state(self.inner.state_dict(), [p.shape for p in self.params])
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.inner.load_state_dict(whole_state(state_dict))
+
+
+class Gather(torch.autograd.Function):
+    """Forward: the whole weight from every rank's slice. Backward: its gradient reduce-scattered to the slices."""
+
+    @staticmethod
+    def forward(ctx, shard: nn.Parameter, fsdp: "FSDP", i: int) -> torch.Tensor:
+        ctx.fsdp, ctx.i = fsdp, i
+        return gather(shard.detach().to(fsdp.dtype), fsdp.shapes[i])  # cast first: fewer bytes to send
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, None, None]:  # the slice's .grad is set by the wait
+        reduce_scatter(grad, ctx.fsdp.shards[ctx.i], ctx.fsdp.pending)
+        return None, None, None
+
+
+class FSDP(nn.Module):
+    """ZeRO-3: parameters() are this rank's slices. Each layer's weights are gathered just before its forward
+    and again before its backward, and freed after each. compute_dtype: weights cast before the gather,
+    forward and backward in it; the slices, their gradients and the optimizer's state stay fp32."""
+
+    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.module, self.dtype, self.pending, self.live = module, compute_dtype or torch.float32, [], {}
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.detach(), src=0)  # every rank starts from rank 0's weights
+        self.names, params = zip(*module.named_parameters(), strict=True)  # a tied weight comes once
+        self.shards = nn.ParameterList([nn.Parameter(shard_of(p), p.requires_grad) for p in params])
+        self.shapes, index = [p.shape for p in params], {p: i for i, p in enumerate(params)}
+        # layer → [(attribute, index of its slice)]: a tied weight is in two layers
+        self.layers = {m: [(name, index[p]) for name, p in m.named_parameters(recurse=False)] for m in module.modules()}
+        for layer, weights in self.layers.items():
+            for name, _ in weights:
+                del layer._parameters[name]  # the whole weight lives only from its gather to its free
+            layer.register_forward_pre_hook(lambda layer, args: self.gather_layer(layer))
+            layer.register_forward_hook(lambda layer, args, out: self.free_layer(layer))
+
+    def gather_layer(self, layer: nn.Module) -> None:
+        for name, i in self.layers[layer]:
+            setattr(layer, name, weight := Gather.apply(self.shards[i], self, i))
+            self.live[weight.untyped_storage().data_ptr()] = i  # what pack() looks for
+
+    def free_layer(self, layer: nn.Module) -> None:
+        for name, _ in self.layers[layer]:
+            del self.live[getattr(layer, name).untyped_storage().data_ptr()]
+            setattr(layer, name, None)  # the last reference: autograd kept a note in its place (pack)
+
+    def pack(self, saved: torch.Tensor) -> tuple:
+        """What autograd keeps for backward: a gathered weight (or a view of it) becomes a note of its slice."""
+        i = self.live.get(saved.untyped_storage().data_ptr())
+        return (None, saved) if i is None else (i, saved.shape, saved.stride(), saved.storage_offset())
+
+    def unpack(self, packed: tuple) -> torch.Tensor:
+        """Just before the backward that needs it: the weight gathered again, freed when that backward is done."""
+        i, *view = packed
+        return view[0] if i is None else gather(self.shards[i].detach().to(self.dtype), self.shapes[i]).as_strided(
+            *view)
+
+    def finish_gradient_synchronization(self) -> None:
+        wait_for_slices(self.pending)  # each slice's mean gradient in its .grad
+
+    def gather_full_params(self) -> dict[str, torch.Tensor]:
+        """A collective: {name: whole fp32 tensor} under the wrapped model's own names."""
+        return {name: gather(self.shards[i].detach(), self.shapes[i]) for i, name in enumerate(self.names)}
+
+    def forward(self, *args):
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+            out = self.module(*[a.to(self.dtype) if a.is_floating_point() else a for a in args])
+        return out.float()  # the loss in fp32
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max_epochs", type=int, default=10, help="epochs to train in all")
+    parser.add_argument("--batch_size", type=int, default=32, help="samples per step on each rank")
+    parser.add_argument("--lr", type=float, default=0.005, help="Adam learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and of the shuffle")
+    parser.add_argument("--train_size", type=int, default=4096, help="training samples")
+    parser.add_argument("--val_size", type=int, default=1024, help="validation samples")
+    parser.add_argument("--checkpoint", default=None, help="saved after every epoch; resumed from if it exists")
+    parser.add_argument("--stage", type=int, default=1, choices=[1, 2, 3], help="ZeRO stage: what is sharded")
+    args = parser.parse_args()
+    for name in ("max_epochs", "batch_size", "lr", "train_size", "val_size"):
+        if not 0 < getattr(args, name) < 1e7:  # also refuses nan
+            parser.error(f"--{name} must be above 0 and below 1e7, got {getattr(args, name)}")
+    return args
+
+
+def make_loaders(args: argparse.Namespace, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
+    train_set, val_set = make_datasets(args.train_size, args.val_size)
+    # A permutation of seed + epoch, every N-th sample from the rank's, a few repeated if N does not divide it.
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+    val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=args.batch_size)
+    return train_loader, val_loader
+
+
+def train_one_epoch(model: torch.nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer):
+    """Return (sum of loss × samples, samples) over this rank's shard."""
+    model.train()
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for x, y in loader:
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()  # hooks: stage 1 all-reduces each gradient, 2 reduce-scatters it, 3 also gathers layers
+        if isinstance(model, FSDP):  # stages 1 and 2 wait in optimizer.step()
+            model.finish_gradient_synchronization()
+        optimizer.step()
+        loss_sum += loss.detach() * len(y)  # stays a tensor: no sync per step
+    return loss_sum, len(loader.sampler)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader: DataLoader):
+    """Return (sum of squared errors, samples) over this rank's validation shard."""
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for x, y in loader:
+        loss_sum += F.mse_loss(model(x), y, reduction="sum")
+    return loss_sum, len(loader.dataset)
+
+
+def epoch_means(train_totals: tuple, val_totals: tuple) -> tuple[float, float]:
+    """Means over every sample of every rank. Every rank all-reduces: behind `if rank == 0` the others never join."""
+    totals = torch.tensor([*train_totals, *val_totals], dtype=torch.float64)
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    return (totals[0] / totals[1]).item(), (totals[2] / totals[3]).item()
+
+
+def train(args: argparse.Namespace, rank: int, world_size: int) -> torch.nn.Module:
+    train_loader, val_loader = make_loaders(args, rank, world_size)
+    print(f"[rank {rank}/{world_size}] {len(train_loader)} steps per epoch\n", end="", flush=True)  # 1 write: unmixed
+    torch.manual_seed(args.seed)  # the same initial weights on every rank (the wrappers broadcast rank 0's)
+    model = whole = build_model()
+    checkpoint, start_epoch = args.checkpoint and os.path.exists(args.checkpoint), 0
+    if checkpoint:  # every rank loads the whole model, and slices it in the wrapper
+        checkpoint = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+        model.load_state_dict(checkpoint["model"])
+    for p in model.parameters() if args.stage == 1 else []:  # whole gradients all-reduced, as DDP (by hand: buckets)
+        p.register_post_accumulate_grad_hook(lambda p: dist.all_reduce(p.grad.div_(world_size)))
+    if args.stage < 3:  # the model stays whole on every rank; its optimizer is sharded
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.Adam, reduce_scatter=args.stage == 2, lr=args.lr)
+    else:  # the model itself is sharded: a plain optimizer updates this rank's slices
+        model, whole = FSDP(model), build_model()  # whole: a copy gathered to evaluate and to save
+        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    if checkpoint:  # a whole optimizer's state, sliced for this rank (ShardedOptimizer slices it itself)
+        state = checkpoint["optimizer"]
+        optimizer.load_state_dict(whole_state(state, None) if args.stage == 3 else state)
+        start_epoch = checkpoint["epoch"]  # the next epoch to run: none is repeated
+        if rank == 0:
+            print(f"resuming from {args.checkpoint}: {start_epoch} of {args.max_epochs} epochs done", flush=True)
+    for epoch in range(start_epoch, args.max_epochs):
+        train_loader.sampler.set_epoch(epoch)  # reseeds the shuffle: without it every epoch has one order
+        train_totals = train_one_epoch(model, train_loader, optimizer)
+        if args.stage == 3:  # every rank gathers it, to evaluate with no collective (shards' batch counts differ)
+            whole.load_state_dict(model.gather_full_params())
+        val_totals = evaluate(whole, val_loader)
+        train_loss, val_loss = epoch_means(train_totals, val_totals)
+        if args.checkpoint:  # every rank: gathering the optimizer's slices is a collective
+            state = optimizer.state_dict() if args.stage < 3 else whole_state(optimizer.state_dict(), model.shapes)
+            state = {"model": whole.state_dict(), "optimizer": state, "epoch": epoch + 1}  # singlenode_cpu.py's form
+        if rank == 0:  # one writer; no barrier after it, as no rank reads the file during the run
+            if args.checkpoint:
+                torch.save(state, args.checkpoint + ".tmp")  # a kill mid-write leaves the old file whole
+                os.replace(args.checkpoint + ".tmp", args.checkpoint)
+            print(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}", flush=True)  # once saved
+    if rank == 0 and start_epoch < args.max_epochs:
+        print(f"done | val_loss:{val_loss:.6f} floor:{LOSS_FLOOR:.6f} ({val_loss / LOSS_FLOOR:.3f} × floor)")
+    # After the last step. Optimizer state: stages 1 and 2 keep fp32 masters of the slices (the paper's K = 12).
+    params, masters = list(model.parameters()), list(getattr(optimizer, "shard", {}).values())
+    state = [t for s in getattr(optimizer, "inner", optimizer).state.values() for t in s.values()]
+    held = {"parameters": params, "gradients": [p.grad for p in params + masters if p.grad is not None],
+            "optimizer state": masters + state}
+    held = " | ".join(f"{k} {sum(t.numel() * t.element_size() for t in ts):,}" for k, ts in held.items())
+    print(f"[rank {rank}/{world_size}] stage {args.stage} bytes held: {held}\n", end="", flush=True)
+    return whole
+
+
+def main() -> None:
+    args = parse_args()
+    if "RANK" not in os.environ:  # torchrun sets these in every process (and OMP_NUM_THREADS=1)
+        raise SystemExit("error: start this script with torchrun --standalone --nproc-per-node 4 zero_by_hand.py")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world_size > args.train_size:
+        raise SystemExit(f"error: {world_size} ranks but {args.train_size} training samples: each needs one")
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)  # env://: meets at MASTER_ADDR:MASTER_PORT
+    try:  # destroy also when training raises: gloo's threads end with the group
+        train(args, rank, world_size)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
