@@ -1,9 +1,9 @@
 """ZeRO by hand: the optimizer state (stage 1), then the gradients (2), then the parameters (3) sharded.
 
-A diff of ddp_by_hand.py. Each parameter is flattened, padded and cut into one equal slice per rank.
-Stage 1: ShardedOptimizer keeps the optimizer state of this rank's slices, updates them, all-gathers the
-rest. Stage 2: each gradient is reduce-scattered as backward makes it: a rank keeps its slices. Stage 3:
-FSDP keeps slices of the weights, gathers each layer before its forward and its backward, frees it after.
+A diff of ddp_by_hand.py. Each parameter is flattened, padded and cut into one equal slice per rank. Stage 1:
+ShardedOptimizer keeps the optimizer state of this rank's slices, updates them, all-gathers the rest. Stage 2:
+gradients reduce-scattered as backward makes them. Stage 3: FSDP keeps slices of the weights, gathers each
+layer before its forward and its backward, frees it after.
 
     torchrun --standalone --nproc-per-node 4 zero_by_hand.py --stage 3 --checkpoint ckpt.pt
 """
@@ -104,7 +104,7 @@ class Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard: nn.Parameter, fsdp: "FSDP", i: int) -> torch.Tensor:
         ctx.fsdp, ctx.i = fsdp, i
-        return gather(shard.detach().to(fsdp.dtype), fsdp.shapes[i])  # cast first: fewer bytes to send
+        return fsdp.gather_weight(i)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[None, None, None]:  # the slice's .grad is set by the wait
@@ -133,6 +133,9 @@ class FSDP(nn.Module):
             layer.register_forward_pre_hook(lambda layer, args: self.gather_layer(layer))
             layer.register_forward_hook(lambda layer, args, out: self.free_layer(layer))
 
+    def gather_weight(self, i: int) -> torch.Tensor:
+        return gather(self.shards[i].detach().to(self.dtype), self.shapes[i])  # cast first: fewer bytes to send
+
     def gather_layer(self, layer: nn.Module) -> None:
         for name, i in self.layers[layer]:
             setattr(layer, name, weight := Gather.apply(self.shards[i], self, i))
@@ -151,8 +154,7 @@ class FSDP(nn.Module):
     def unpack(self, packed: tuple) -> torch.Tensor:
         """Just before the backward that needs it: the weight gathered again, freed when that backward is done."""
         i, *view = packed
-        return view[0] if i is None else gather(self.shards[i].detach().to(self.dtype), self.shapes[i]).as_strided(
-            *view)
+        return view[0] if i is None else self.gather_weight(i).as_strided(*view)
 
     def finish_gradient_synchronization(self) -> None:
         wait_for_slices(self.pending)  # each slice's mean gradient in its .grad
@@ -242,8 +244,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> torch.nn.Modu
         model, whole = FSDP(model), build_model()  # whole: a copy gathered to evaluate and to save
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     if checkpoint:  # a whole optimizer's state, sliced for this rank (ShardedOptimizer slices it itself)
-        state = checkpoint["optimizer"]
-        optimizer.load_state_dict(whole_state(state, None) if args.stage == 3 else state)
+        optimizer.load_state_dict((whole_state if args.stage == 3 else dict)(checkpoint["optimizer"]))
         start_epoch = checkpoint["epoch"]  # the next epoch to run: none is repeated
         if rank == 0:
             print(f"resuming from {args.checkpoint}: {start_epoch} of {args.max_epochs} epochs done", flush=True)

@@ -11,7 +11,7 @@ from conftest import ARGV
 from harness import spawn
 from test_train import TOLERANCE
 from torch import nn
-from workers import train_scripts
+from workers import train_script, train_scripts
 
 import ddp_by_hand
 import zero_by_hand
@@ -147,9 +147,15 @@ def fsdp_step_facts(rank: int, world_size: int) -> dict:
     return facts | {"gathered": len(gathered), "shards": [p.numel() for p in model.parameters()]}
 
 
-def everything(rank: int, world_size: int) -> dict:
+def everything(rank: int, world_size: int, folder: str) -> dict:
     results = {"scripts": train_scripts(rank, world_size, [("zero_by_hand", [*ARGV, "--stage", str(stage)])
                                                            for stage in (1, 2, 3)])}
+    # Two epochs at stage 3, the third resumed at stage 1 from the same file: whole tensors, any stage.
+    argv = [*ARGV, "--checkpoint", f"{folder}/ckpt.pt"]
+    train_script(rank, world_size, "zero_by_hand", [*argv, "--stage", "3", "--max_epochs", "2"])
+    dist.barrier()  # rank 0 has written the file: two launches in a row, here in one process group
+    results["resumed"] = train_script(rank, world_size, "zero_by_hand", [*argv, "--stage", "1"])
+    results["checkpoint"] = torch.load(f"{folder}/ckpt.pt", weights_only=True) if rank == 0 else None
     for name in OPTIMIZERS:
         for how in ("same batch", "stage 1", "stage 2", "stage 3"):
             results[name, how] = train_classes(rank, world_size, name, how)
@@ -158,8 +164,8 @@ def everything(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[int, tuple[list[dict], list[str]]]:
-    return {n: spawn(everything, n, timeout=120) for n in (2, 3, 4)}
+def runs(tmp_path_factory) -> dict[int, tuple[list[dict], list[str]]]:
+    return {n: spawn(everything, n, str(tmp_path_factory.mktemp(f"zero{n}")), timeout=120) for n in (2, 3, 4)}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -178,6 +184,28 @@ def test_each_stage_trains_what_singlenode_cpu_trains(runs, ddp_runs, world_size
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_a_checkpoint_of_stage_3_resumes_at_stage_1_in_singlenode_cpus_form(runs, world_size):
+    """The checkpoint holds the whole model and the whole Adam state, as singlenode_cpu.py's does: a plain
+    model and a plain Adam load it. Resumed at another stage, training ends where the run without a stop
+    ends (to 1e-6, bit for bit at 2 ranks, as the stages do)."""
+    results, stdouts = runs[world_size]
+    checkpoint = results[0]["checkpoint"]
+    assert checkpoint.keys() == {"model", "optimizer", "epoch"} and checkpoint["epoch"] == 3
+    model = build_model()
+    model.load_state_dict(checkpoint["model"])
+    optimizer = torch.optim.Adam(model.parameters())
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    for p in model.parameters():
+        assert optimizer.state[p]["exp_avg"].shape == p.shape
+    assert "resuming from" in stdouts[0] and "2 of 3 epochs done" in stdouts[0]
+    for rank in range(world_size):
+        for name, tensor in results[rank]["scripts"][0].items():
+            if world_size == 2:
+                assert torch.equal(results[rank]["resumed"][name], tensor), name
+            torch.testing.assert_close(results[rank]["resumed"][name], tensor, **TOLERANCE, msg=name)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_each_rank_holds_the_bytes_of_its_slices(runs, world_size):
     """Each parameter padded to a multiple of the ranks, one slice each: the small model's 320 + 16 + 16 + 1
     parameters give every rank S = Σ ceil(n / N) floats. Stage 1: whole parameters and gradients; optimizer
@@ -191,7 +219,7 @@ def test_each_rank_holds_the_bytes_of_its_slices(runs, world_size):
                 3: (sliced, sliced, 2 * sliced + tensors)}
     for rank, out in enumerate(stdouts):
         lines = BYTES_LINE.findall(out)
-        assert [int(m[2]) for m in lines] == [1, 2, 3]
+        assert [int(m[2]) for m in lines] == [1, 2, 3, 3, 1]  # the stages, then the stop and the resume
         for line in lines:
             assert (int(line[0]), int(line[1])) == (rank, world_size)
             assert tuple(int(n.replace(",", "")) for n in line[3:]) == tuple(4 * n for n in expected[int(line[2])])
