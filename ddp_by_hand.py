@@ -1,11 +1,12 @@
 """Data-parallel training with DDP written by hand: gradient buckets all-reduced while backward runs.
 
-`diff singlenode_cpu.py ddp_by_hand.py` is the lesson: torch's DistributedDataParallel gives way to the
-class below, which a reader can import into their own loop. It broadcasts rank 0's weights, and hooks
-each parameter: as a gradient becomes ready it joins a bucket of --bucket_mb, and a full bucket is
-all-reduced at once, asynchronously, while backward goes on; finish_gradient_synchronization() waits.
+`diff singlenode_cpu.py ddp_by_hand.py` is the lesson: DistributedDataParallel gives way to the class below,
+which a reader can import into their own loop. It broadcasts rank 0's weights and hooks each parameter: a
+ready gradient joins a bucket of --bucket_mb, and a full bucket is all-reduced at once, asynchronously, while
+backward goes on; finish_gradient_synchronization() waits. --grad_accum k: k micro-batches, k - 1 in no_sync().
 
     torchrun --standalone --nproc-per-node 4 ddp_by_hand.py --checkpoint ckpt.pt
+    torchrun --standalone --nproc-per-node 2 ddp_by_hand.py --model wide --bucket_mb 1 --grad_accum 2
 """
 import argparse
 import contextlib
@@ -19,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from data import LOSS_FLOOR, make_datasets
-from model import build_model
+from model import MODELS, build_model
 
 
 class DDP(nn.Module):
@@ -31,10 +32,8 @@ class DDP(nn.Module):
         self.module, self.bucket_bytes, self.sync = module, bucket_mb * 2**20, True
         for tensor in [*module.parameters(), *module.buffers()]:
             dist.broadcast(tensor.detach(), src=0)  # every replica starts from rank 0's weights
-        # parameters() yields a tied weight once; a frozen one needs no all-reduce.
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.params = [p for p in module.parameters() if p.requires_grad]  # a tied weight once, a frozen one not
         self.plan(self.params[::-1])  # a first guess: backward reaches the last layers first
-        self.ready_order: list[nn.Parameter] = []
         for p in self.params:
             p.register_post_accumulate_grad_hook(self.ready)
 
@@ -47,18 +46,16 @@ class DDP(nn.Module):
             self.buckets[-1].append(p)
             size += p.numel() * p.element_size()
         self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
-        self.waiting = [len(bucket) for bucket in self.buckets]
-        self.in_flight: dict[int, tuple[dist.Work, torch.Tensor]] = {}
+        self.waiting, self.in_flight, self.ready_order = [len(bucket) for bucket in self.buckets], {}, []
 
     def ready(self, p: nn.Parameter) -> None:
         """A parameter's gradient is complete for this backward: once its bucket's are, all-reduce it."""
         if not self.sync:
             return  # no_sync(): the gradients only add up in .grad
         self.ready_order.append(p)
-        i = self.bucket_of[p]
-        self.waiting[i] -= 1
-        if self.waiting[i] == 0:
-            self.launch(i)
+        self.waiting[self.bucket_of[p]] -= 1
+        if self.waiting[self.bucket_of[p]] == 0:
+            self.launch(self.bucket_of[p])
 
     def launch(self, i: int) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[i]]
@@ -74,9 +71,7 @@ class DDP(nn.Module):
             work.wait()
             for p, g in zip(self.buckets[i], flat.split([p.numel() for p in self.buckets[i]]), strict=True):
                 p.grad = g.view_as(p)
-        if self.ready_order != [p for bucket in self.buckets for p in bucket]:
-            self.plan(list(dict.fromkeys(self.ready_order + self.params[::-1])))  # the order seen, as torch does
-        self.waiting, self.in_flight, self.ready_order = [len(b) for b in self.buckets], {}, []
+        self.plan(list(dict.fromkeys(self.ready_order + self.params[::-1])))  # the order seen, as torch does
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -101,8 +96,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--val_size", type=int, default=1024, help="validation samples")
     parser.add_argument("--checkpoint", default=None, help="saved after every epoch; resumed from if it exists")
     parser.add_argument("--bucket_mb", type=float, default=25, help="megabytes of gradients per all-reduce")
+    parser.add_argument("--grad_accum", type=int, default=1, help="micro-batches per batch (at most its samples)")
+    parser.add_argument("--model", default="mlp", choices=sorted(MODELS), help="model.py's; wide: 2.1M weights")
     args = parser.parse_args()
-    for name in ("max_epochs", "batch_size", "lr", "train_size", "val_size", "bucket_mb"):
+    for name in ("max_epochs", "batch_size", "lr", "train_size", "val_size", "bucket_mb", "grad_accum"):
         if not 0 < getattr(args, name) < 1e7:  # also refuses nan
             parser.error(f"--{name} must be above 0 and below 1e7, got {getattr(args, name)}")
     return args
@@ -119,17 +116,20 @@ def make_loaders(args: argparse.Namespace, rank: int, world_size: int) -> tuple[
     return train_loader, val_loader
 
 
-def train_one_epoch(model: torch.nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer):
+def train_one_epoch(model: DDP, loader: DataLoader, optimizer: torch.optim.Optimizer, grad_accum: int):
     """Return (sum of loss × samples, samples) over this rank's shard."""
     model.train()
     loss_sum = torch.zeros((), dtype=torch.float64)
     for x, y in loader:
         optimizer.zero_grad(set_to_none=True)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()  # the hooks all-reduce each bucket as it fills, while backward goes on
+        k = min(grad_accum, len(y))  # a short last batch: no empty micro-batch
+        for i, (x_micro, y_micro) in enumerate(zip(x.tensor_split(k), y.tensor_split(k), strict=True)):
+            with contextlib.nullcontext() if i == k - 1 else model.no_sync():  # the last backward all-reduces
+                loss = F.mse_loss(model(x_micro), y_micro)
+                (loss * len(y_micro) / len(y)).backward()  # hooks all-reduce each bucket as it fills
+            loss_sum += loss.detach() * len(y_micro)  # stays a tensor: no sync per step
         model.finish_gradient_synchronization()  # every bucket's mean gradient in .grad, before the step
         optimizer.step()
-        loss_sum += loss.detach() * len(y)  # stays a tensor: no sync per step
     return loss_sum, len(loader.sampler)
 
 
@@ -154,7 +154,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> torch.nn.Modu
     train_loader, val_loader = make_loaders(args, rank, world_size)
     print(f"[rank {rank}/{world_size}] {len(train_loader)} steps per epoch\n", end="", flush=True)  # 1 write: unmixed
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
-    model = build_model()
+    model = build_model(args.model)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     start_epoch = 0
     if args.checkpoint and os.path.exists(args.checkpoint):
@@ -168,7 +168,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> torch.nn.Modu
     model = DDP(model, args.bucket_mb)  # broadcasts rank 0's weights; each backward averages the gradients
     for epoch in range(start_epoch, args.max_epochs):
         train_loader.sampler.set_epoch(epoch)  # reseeds the shuffle: without it every epoch has one order
-        train_totals = train_one_epoch(model, train_loader, optimizer)
+        train_totals = train_one_epoch(model, train_loader, optimizer, args.grad_accum)
         val_totals = evaluate(model.module, val_loader)  # .module: a forward through DDP may wait for ranks
         train_loss, val_loss = epoch_means(train_totals, val_totals)
         if rank == 0:  # one writer; no barrier after it, as no rank reads the file during the run

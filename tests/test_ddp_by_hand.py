@@ -31,9 +31,20 @@ def count_all_reduces(fn):
     return started
 
 
+ACCUMULATE = [*ARGV, "--grad_accum", "3"]
+SMALL_BUCKETS = ["--bucket_mb", "0.0001"]  # 104 bytes: the MLP's gradients in 3 buckets (below)
+
+
 def by_hand_and_torch(rank: int, world_size: int) -> dict:
-    """The training script by hand, then the class in a loop of this test's own beside torch's DDP."""
+    """The training script by hand, with and without accumulation, beside torch's DDP (singlenode_cpu.py, and
+    grad_accumulation.py for the same micro-batches); then the class in a loop of this test's own."""
     results = {"script": train_script(rank, world_size, "ddp_by_hand", ARGV)}
+    results["all-reduces"] = count_all_reduces(lambda: results.update(accumulated=train_script(
+        rank, world_size, "ddp_by_hand", [*ACCUMULATE, *SMALL_BUCKETS])))
+    results["torch accumulated"] = train_script(rank, world_size, "grad_accumulation",
+                                                [*ARGV, "--accum_steps", "3"])
+    if world_size == 4:  # conftest's ddp_runs holds 2 and 3 ranks
+        results["torch"] = train_script(rank, world_size, "singlenode_cpu", ARGV)
     torch.manual_seed(rank)  # different on every rank: the broadcast must make them equal
     shared = nn.Linear(4, 4)
     model = nn.Sequential(shared, nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), shared)  # a tied layer
@@ -44,8 +55,9 @@ def by_hand_and_torch(rank: int, world_size: int) -> dict:
     x = torch.randn(3, 8, 4)  # three micro-batches of this rank's own
     for wrapped in (mine, reference):
         with wrapped.no_sync():
-            for micro in x[:2]:
-                wrapped(micro).square().mean().backward()
+            started = count_all_reduces(lambda w=wrapped: [w(micro).square().mean().backward() for micro in x[:2]])
+        if wrapped is mine:
+            results["all-reduces under no_sync"] = started
         started = count_all_reduces(lambda w=wrapped: (w(x[2]).square().mean().backward(),
                                                        getattr(w, "finish_gradient_synchronization", lambda: 0)()))
         if wrapped is mine:
@@ -57,24 +69,43 @@ def by_hand_and_torch(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs() -> dict[int, tuple[list[dict], list[str]]]:
-    return {n: spawn(by_hand_and_torch, n, timeout=90) for n in (2, 3)}
+    return {n: spawn(by_hand_and_torch, n, timeout=90) for n in (2, 3, 4)}
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_the_script_trains_what_torchs_ddp_trains(runs, ddp_runs, world_size):
-    """Bit for bit at 2 ranks (a sum of two numbers has one order); at 3 the buckets are laid out in
-    another order than torch's, so gloo adds the ranks' values in another order."""
+def torch_ddp(runs, ddp_runs, world_size: int) -> dict:
+    return runs[world_size][0][0]["torch"] if world_size == 4 else ddp_runs[world_size][0][0]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_the_script_trains_what_torchs_ddp_trains(runs, ddp_runs, world_size, accumulate):
+    """Bit for bit at 2 ranks (a sum of two numbers has one order); at 3 and 4, to 1e-6: the buckets are laid
+    out in another order than torch's, so gloo adds the ranks' values in another order. With --grad_accum 3,
+    against grad_accumulation.py's torch DDP with the same micro-batches under no_sync()."""
     results, _ = runs[world_size]
-    reference, _ = ddp_runs[world_size]
-    for name, tensor in reference[0].items():
+    key, reference = ("accumulated", results[0]["torch accumulated"]) if accumulate else \
+        ("script", torch_ddp(runs, ddp_runs, world_size))
+    for name, tensor in reference.items():
         if world_size == 2:
-            assert torch.equal(results[0]["script"][name], tensor), name
-        torch.testing.assert_close(results[0]["script"][name], tensor, **TOLERANCE, msg=name)
+            assert torch.equal(results[0][key][name], tensor), name
+        torch.testing.assert_close(results[0][key][name], tensor, **TOLERANCE, msg=name)
     for rank in range(1, world_size):
-        assert all(torch.equal(results[rank]["script"][k], t) for k, t in results[0]["script"].items())
+        assert all(torch.equal(results[rank][key][k], t) for k, t in results[0][key].items())
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_one_all_reduce_per_bucket_per_step_and_none_under_no_sync(runs, world_size):
+    """--bucket_mb 0.0001 (104 bytes) over the MLP's gradients in the order backward makes them: the output
+    layer's bias and weight (4 + 64 bytes), the hidden bias (64), the hidden weight (1,280): 3 buckets. With
+    --grad_accum 3, the 2 micro-batches under no_sync() all-reduce nothing: 3 all-reduces per step, plus one
+    per epoch for the losses. In the test's own loop, the two backward passes under no_sync() none."""
+    results, _ = runs[world_size]
+    steps = -(-300 // world_size // 7)  # ARGV: 300 samples, 7 per batch
+    assert len(results[0]["all-reduces"]) == 3 * (3 * steps + 1)
+    assert results[0]["all-reduces under no_sync"] == []
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_accumulated_tied_and_frozen_gradients_are_torchs(runs, world_size):
     """Two micro-batches under no_sync(), a third outside: the class leaves in .grad what torch's DDP
     leaves (the tied weight counted once, the frozen bias without a gradient), on every rank alike, after
@@ -89,11 +120,13 @@ def test_accumulated_tied_and_frozen_gradients_are_torchs(runs, world_size):
         assert sorted(results[rank]["all-reduces in the synced backward"]) == [4, 16, 16]
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_the_script_trains_what_one_process_trains_with_the_global_batch(runs, world_size):
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_the_script_trains_what_one_process_trains_with_the_global_batch(runs, world_size, accumulate):
     """To 1e-6, as for torch's DDP (tests/test_train.py): N per-rank means averaged where one process takes
-    one mean of N × B losses."""
+    one mean of N × B losses; with accumulation, of k micro-batch means weighed by their share."""
     results, _ = runs[world_size]
     expected, _ = one_process(global_batch(world_size))
     for name, tensor in expected.items():
-        torch.testing.assert_close(results[0]["script"][name], tensor, **TOLERANCE, msg=name)
+        torch.testing.assert_close(results[0]["accumulated" if accumulate else "script"][name], tensor,
+                                   **TOLERANCE, msg=name)
