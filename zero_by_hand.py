@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from data import LOSS_FLOOR, make_datasets
-from model import build_model
+from model import MODELS, build_model
 
 
 def shard_of(tensor: torch.Tensor, whole: bool = False) -> torch.Tensor:
@@ -42,10 +42,10 @@ def reduce_scatter(grad: torch.Tensor, shard: nn.Parameter, pending: list) -> No
 
 
 def wait_for_slices(pending: list) -> None:
-    for work, shard, out in pending:
+    while pending:
+        work, shard, out = pending.pop(0)
         work.wait()
         shard.grad = out if shard.grad is None else shard.grad.add_(out)  # adds up under accumulation
-    pending.clear()
 
 
 def whole_state(state: dict, shapes: list[torch.Size] | None = None) -> dict:
@@ -179,6 +179,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--val_size", type=int, default=1024, help="validation samples")
     parser.add_argument("--checkpoint", default=None, help="saved after every epoch; resumed from if it exists")
     parser.add_argument("--stage", type=int, default=1, choices=[1, 2, 3], help="ZeRO stage: what is sharded")
+    parser.add_argument("--model", default="mlp", choices=sorted(MODELS), help="model.py's; wide: 2.1M weights")
     args = parser.parse_args()
     for name in ("max_epochs", "batch_size", "lr", "train_size", "val_size"):
         if not 0 < getattr(args, name) < 1e7:  # also refuses nan
@@ -188,7 +189,6 @@ def parse_args() -> argparse.Namespace:
 
 def make_loaders(args: argparse.Namespace, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
     train_set, val_set = make_datasets(args.train_size, args.val_size)
-    # A permutation of seed + epoch, every N-th sample from the rank's, a few repeated if N does not divide it.
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=args.batch_size)
@@ -231,7 +231,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> torch.nn.Modu
     train_loader, val_loader = make_loaders(args, rank, world_size)
     print(f"[rank {rank}/{world_size}] {len(train_loader)} steps per epoch\n", end="", flush=True)  # 1 write: unmixed
     torch.manual_seed(args.seed)  # the same initial weights on every rank (the wrappers broadcast rank 0's)
-    model = whole = build_model()
+    model = whole = build_model(args.model)
     checkpoint, start_epoch = args.checkpoint and os.path.exists(args.checkpoint), 0
     if checkpoint:  # every rank loads the whole model, and slices it in the wrapper
         checkpoint = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
@@ -241,7 +241,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> torch.nn.Modu
     if args.stage < 3:  # the model stays whole on every rank; its optimizer is sharded
         optimizer = ShardedOptimizer(model.parameters(), torch.optim.Adam, reduce_scatter=args.stage == 2, lr=args.lr)
     else:  # the model itself is sharded: a plain optimizer updates this rank's slices
-        model, whole = FSDP(model), build_model()  # whole: a copy gathered to evaluate and to save
+        model, whole = FSDP(model), build_model(args.model)  # whole: a copy gathered to evaluate and to save
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     if checkpoint:  # a whole optimizer's state, sliced for this rank (ShardedOptimizer slices it itself)
         optimizer.load_state_dict((whole_state if args.stage == 3 else dict)(checkpoint["optimizer"]))
@@ -265,11 +265,11 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> torch.nn.Modu
             print(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}", flush=True)  # once saved
     if rank == 0 and start_epoch < args.max_epochs:
         print(f"done | val_loss:{val_loss:.6f} floor:{LOSS_FLOOR:.6f} ({val_loss / LOSS_FLOOR:.3f} × floor)")
-    # After the last step. Optimizer state: stages 1 and 2 keep fp32 masters of the slices (the paper's K = 12).
+    # Optimizer state: stages 1 and 2 keep fp32 masters of the slices too (the ZeRO paper's K = 12).
     params, masters = list(model.parameters()), list(getattr(optimizer, "shard", {}).values())
-    state = [t for s in getattr(optimizer, "inner", optimizer).state.values() for t in s.values()]
     held = {"parameters": params, "gradients": [p.grad for p in params + masters if p.grad is not None],
-            "optimizer state": masters + state}
+            "optimizer state": masters + [t for s in getattr(optimizer, "inner", optimizer).state.values()
+                                          for t in s.values()]}
     held = " | ".join(f"{k} {sum(t.numel() * t.element_size() for t in ts):,}" for k, ts in held.items())
     print(f"[rank {rank}/{world_size}] stage {args.stage} bytes held: {held}\n", end="", flush=True)
     return whole
