@@ -21,7 +21,6 @@ Explained in docs/benchmarks.md.
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -34,7 +33,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import benchtools
-from benchtools import die, print_line
+from benchtools import die, per_round, print_line, spread
 from data import FEATURES, make_datasets
 from model import build_model
 
@@ -63,17 +62,6 @@ def parse_args() -> argparse.Namespace:
     if args.warmup < 2:  # DDP lays its buckets out again in the second step's forward, once
         parser.error("--warmup must be 2 or more: DDP rebuilds its buckets in the second step")
     return args
-
-
-def spread(values: list[float]) -> dict:
-    """A figure's min, median and max over the rounds."""
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
-
-
-def per_round(fn: Callable[..., float], *series: list[float]) -> dict:
-    """A figure computed in each round from that round's times, then spread over the rounds: a ratio of
-    two things measured side by side, never of two medians taken at different moments."""
-    return spread([fn(*times) for times in zip(*series, strict=True)])
 
 
 def overhead(plain: float, ddp: float) -> float:
@@ -196,54 +184,6 @@ def print_table(report: dict) -> None:
                    f"{row['contention']['median']:>10.3f} {row['communication']['median']:>13.3f}")
 
 
-def write_trace(folder: str, rank: int, step: Callable[[], None]) -> str:
-    with torch.profiler.profile() as profiler:  # the CPU, and the GPU where there is one (its default)
-        for _ in range(TRACE_STEPS):
-            step()
-    path = os.path.join(folder, f"rank{rank}.json")
-    profiler.export_chrome_trace(path)
-    return path
-
-
-def trace_lanes(trace: dict) -> dict[str, list[tuple[float, float]]]:
-    """From a torch.profiler chrome trace, the spans (start, end in ms from the first) of DDP's forward,
-    backward's autograd nodes, the optimizer step and the backend's all-reduce."""
-    lanes = {"forward": [], "backward": [], "optimizer": [], "all-reduce": []}
-    for event in (e for e in trace["traceEvents"] if e.get("ph") == "X"):
-        name = event["name"]
-        if name.startswith("DistributedDataParallel.forward"):
-            lane = "forward"
-        elif name.startswith("autograd::engine::evaluate_function"):
-            lane = "backward"
-        elif name.startswith("Optimizer.step"):
-            lane = "optimizer"
-        elif name in ("gloo:all_reduce", "nccl:all_reduce"):
-            lane = "all-reduce"  # the backend's own span (on gloo's thread), not the call that queues it
-        else:
-            continue
-        lanes[lane].append((event["ts"], event["ts"] + event["dur"]))
-    origin = min(start for spans in lanes.values() for start, _ in spans)
-    return {lane: [((s - origin) / 1e3, (t - origin) / 1e3) for s, t in spans] for lane, spans in lanes.items()}
-
-
-def draw_trace(trace_path: str, png_path: str) -> None:
-    """A timeline of the traced steps on one rank: where the all-reduces run against backward."""
-    import matplotlib
-    matplotlib.use("Agg")  # files only: no display needed
-    import matplotlib.pyplot as plt
-    with open(trace_path) as f:
-        lanes = trace_lanes(json.load(f))
-    figure, axes = plt.subplots(figsize=(9, 2.2))
-    colours = {"forward": "tab:green", "backward": "tab:orange", "optimizer": "tab:purple", "all-reduce": "tab:blue"}
-    for y, (lane, spans) in enumerate(reversed(lanes.items())):
-        axes.broken_barh([(s, t - s) for s, t in spans], (y - 0.4, 0.8), color=colours[lane])
-    axes.set_yticks(range(len(lanes)), list(reversed(lanes)))
-    axes.set_xlabel("ms")
-    figure.tight_layout()
-    figure.savefig(png_path, dpi=70)
-    plt.close(figure)
-
-
 def needed_bytes(args: argparse.Namespace, world_size: int) -> int:
     """About the bytes one process needs, all float32 (4 bytes)."""
     model, most = build_model(MODEL), max(args.batch_sizes)
@@ -275,7 +215,7 @@ def main() -> None:
     dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
     try:
         report, step = measure(args, rank, world_size, device)
-        trace = write_trace(args.trace, rank, step) if args.trace else None
+        trace = benchtools.write_trace(args.trace, rank, step, TRACE_STEPS) if args.trace else None
         # DDP holds the process group (model.process_group): a wrapper freed after destroy_process_group
         # can leave gloo's teardown waiting for ever on the GIL (seen with torch 2.13). All go now, with step.
         del step
@@ -289,7 +229,7 @@ def main() -> None:
         print_table(report)
     if trace:
         try:
-            draw_trace(trace, os.path.join(args.trace, "rank0.png"))
+            benchtools.draw_trace(trace, os.path.join(args.trace, "rank0.png"))
         except ImportError:  # matplotlib is an optional extra
             sys.stderr.write(f"{args.trace}/rank0.png not drawn: pip install -r requirements-plot.txt\n")
 

@@ -1,13 +1,17 @@
-"""What the three benchmarks share: their argument checks, their one-line errors and output, the device
-they measure on, and the line that says which machine a figure came from.
+"""What the benchmarks share: their argument checks, their one-line errors and output, the device they
+measure on, the line that says which machine a figure came from, a figure's spread over the rounds, and
+the profiler trace of a few steps drawn as a timeline.
 
-bench_comm.py, bench_ddp.py and bench_memory.py import it; no lesson does. Every distributed call stays
-in the benchmarks themselves.
+bench_comm.py, bench_ddp.py, bench_by_hand.py and bench_memory.py import it; no lesson does. Every
+distributed call stays in the benchmarks themselves.
 """
 import argparse
+import json
 import os
 import platform
+import statistics
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
 import torch
@@ -116,3 +120,64 @@ def machine(device: torch.device) -> str:
         model = names[0] if names else model
     text = f"{model}, {os.cpu_count()} cores, torch {torch.__version__}"
     return f"{torch.cuda.get_device_name(device)}, {text}" if device.type == "cuda" else text
+
+
+def spread(values: list[float]) -> dict:
+    """A figure's min, median and max over the rounds."""
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def per_round(fn: Callable[..., float], *series: list[float]) -> dict:
+    """A figure computed in each round from that round's times, then spread over the rounds: a ratio of
+    two things measured side by side, never of two medians taken at different moments."""
+    return spread([fn(*times) for times in zip(*series, strict=True)])
+
+
+def write_trace(folder: str, rank: int, step: Callable[[], None], steps: int) -> str:
+    """A torch.profiler chrome trace of `steps` calls of step(), as folder/rank{rank}.json."""
+    with torch.profiler.profile() as profiler:  # the CPU, and the GPU where there is one (its default)
+        for _ in range(steps):
+            step()
+    path = os.path.join(folder, f"rank{rank}.json")
+    profiler.export_chrome_trace(path)
+    return path
+
+
+def trace_lanes(trace: dict) -> dict[str, list[tuple[float, float]]]:
+    """From a torch.profiler chrome trace, the spans (start, end in ms from the first) of the forward
+    (torch DDP's own span, or a record_function("forward") of the benchmark's), backward's autograd nodes,
+    the optimizer step and the backend's all-reduce."""
+    lanes = {"forward": [], "backward": [], "optimizer": [], "all-reduce": []}
+    for event in (e for e in trace["traceEvents"] if e.get("ph") == "X"):
+        name = event["name"]
+        if name.startswith("DistributedDataParallel.forward") or name == "forward":
+            lane = "forward"
+        elif name.startswith("autograd::engine::evaluate_function"):
+            lane = "backward"
+        elif name.startswith("Optimizer.step"):
+            lane = "optimizer"
+        elif name in ("gloo:all_reduce", "nccl:all_reduce"):
+            lane = "all-reduce"  # the backend's own span (on gloo's thread), not the call that queues it
+        else:
+            continue
+        lanes[lane].append((event["ts"], event["ts"] + event["dur"]))
+    origin = min(start for spans in lanes.values() for start, _ in spans)
+    return {lane: [((s - origin) / 1e3, (t - origin) / 1e3) for s, t in spans] for lane, spans in lanes.items()}
+
+
+def draw_trace(trace_path: str, png_path: str) -> None:
+    """A timeline of the traced steps on one rank: where the all-reduces run against backward."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+    with open(trace_path) as f:
+        lanes = trace_lanes(json.load(f))
+    figure, axes = plt.subplots(figsize=(9, 2.2))
+    colours = {"forward": "tab:green", "backward": "tab:orange", "optimizer": "tab:purple", "all-reduce": "tab:blue"}
+    for y, (lane, spans) in enumerate(reversed(lanes.items())):
+        axes.broken_barh([(s, t - s) for s, t in spans], (y - 0.4, 0.8), color=colours[lane])
+    axes.set_yticks(range(len(lanes)), list(reversed(lanes)))
+    axes.set_xlabel("ms")
+    figure.tight_layout()
+    figure.savefig(png_path, dpi=70)
+    plt.close(figure)

@@ -1,8 +1,8 @@
 """Data-parallel training with DDP written by hand: gradient buckets all-reduced while backward runs.
 
-`diff singlenode_cpu.py ddp_by_hand.py` is the lesson: DistributedDataParallel gives way to the class below,
-which a reader can import into their own loop. It broadcasts rank 0's weights and hooks each parameter: a
-ready gradient joins a bucket of --bucket_mb, and a full bucket is all-reduced at once, asynchronously, while
+`diff singlenode_cpu.py ddp_by_hand.py` is the lesson (docs/by_hand.md): DistributedDataParallel gives way to
+the class below, which a reader can import into a loop. It broadcasts rank 0's weights and hooks each parameter:
+a ready gradient joins a bucket of --bucket_mb, and a full bucket is all-reduced at once, asynchronously, while
 backward goes on; finish_gradient_synchronization() waits. --grad_accum k: k micro-batches, k - 1 in no_sync().
 
     torchrun --standalone --nproc-per-node 4 ddp_by_hand.py --checkpoint ckpt.pt
@@ -41,7 +41,7 @@ class DDP(nn.Module):
         """Buckets of about bucket_bytes, filled in `order`, the order the gradients become ready in."""
         self.buckets, size = [[]], 0
         for p in order:
-            if size and size + p.numel() * p.element_size() > self.bucket_bytes:
+            if size >= self.bucket_bytes:  # full: the gradient that crossed the limit is in it, as in torch's
                 self.buckets, size = [*self.buckets, []], 0
             self.buckets[-1].append(p)
             size += p.numel() * p.element_size()

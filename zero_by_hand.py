@@ -1,9 +1,9 @@
 """ZeRO by hand: the optimizer state (stage 1), then the gradients (2), then the parameters (3) sharded.
 
-A diff of ddp_by_hand.py. Each parameter is flattened, padded and cut into one equal slice per rank. Stage 1:
-ShardedOptimizer keeps the optimizer state of this rank's slices, updates them, all-gathers the rest. Stage 2:
-gradients reduce-scattered as backward makes them. Stage 3: FSDP keeps slices of the weights, gathers each
-layer before its forward and its backward, frees it after.
+A diff of ddp_by_hand.py (docs/by_hand.md). Each parameter is flattened, padded and cut into one equal slice
+per rank. Stage 1: ShardedOptimizer keeps the optimizer state of this rank's slices, updates them, all-gathers
+the rest. Stage 2: gradients reduce-scattered as backward makes them, a bucket at a time. Stage 3: FSDP keeps
+slices of the weights, gathers each layer before its forward and its backward, frees it after.
 
     torchrun --standalone --nproc-per-node 4 zero_by_hand.py --stage 3 --checkpoint ckpt.pt
 """
@@ -23,29 +23,34 @@ from model import MODELS, build_model
 
 def shard_of(tensor: torch.Tensor, whole: bool = False) -> torch.Tensor:
     """This rank's slice of the flattened tensor, padded with zeros to a multiple of the ranks (or all of it)."""
-    size = -(-tensor.numel() // dist.get_world_size())  # ceil: every rank's slice is equally long
-    flat = F.pad(tensor.detach().reshape(-1), (0, size * dist.get_world_size() - tensor.numel()))
+    size, flat = -(-tensor.numel() // dist.get_world_size()), tensor.detach().reshape(-1)  # ceil: all equally long
+    flat = F.pad(flat, (0, size * dist.get_world_size() - flat.numel())) if flat.numel() % dist.get_world_size() \
+        else flat  # no copy where nothing needs padding
     return flat if whole else flat[dist.get_rank() * size:][:size].clone()
 
 
-def gather(shard: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+def gather(shard: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """Every rank's slice end to end, unpadded: the whole tensor, on every rank."""
     flat = torch.empty(shard.numel() * dist.get_world_size(), dtype=shard.dtype)
     dist.all_gather_single(flat, shard)
-    return flat[:shape.numel()].view(shape)
+    return flat[:torch.Size(shape).numel()].view(shape)
 
 
-def reduce_scatter(grad: torch.Tensor, shard: nn.Parameter, pending: list) -> None:
-    """Start summing every rank's gradient / N in fp32, of which this rank receives its slice. Returns at once."""
-    out, flat = torch.empty_like(shard), shard_of(grad.float().div(dist.get_world_size()), whole=True)
-    pending.append((dist.reduce_scatter_single(out, flat, async_op=True), shard, out))
+def reduce_scatter(grads: list[torch.Tensor], shards: list[nn.Parameter], pending: list) -> None:
+    """Start summing every rank's gradients / N in fp32, of which this rank receives its slices, in one
+    collective: each padded gradient as N rows, laid side by side, so that rank r's part is row r of all."""
+    n = dist.get_world_size()
+    flat = torch.cat([shard_of(g, whole=True).view(n, -1) for g in grads], dim=1).reshape(-1).float().div_(n)
+    out = torch.empty(flat.numel() // n)
+    pending.append((dist.reduce_scatter_single(out, flat, async_op=True), shards, out))  # returns at once
 
 
 def wait_for_slices(pending: list) -> None:
     while pending:
-        work, shard, out = pending.pop(0)
+        work, shards, out = pending.pop(0)
         work.wait()
-        shard.grad = out if shard.grad is None else shard.grad.add_(out)  # adds up under accumulation
+        for shard, grad in zip(shards, out.split([s.numel() for s in shards]), strict=True):
+            shard.grad = grad if shard.grad is None else shard.grad.add_(grad)  # adds up under accumulation
 
 
 def whole_state(state: dict, shapes: list[torch.Size] | None = None) -> dict:
@@ -57,11 +62,13 @@ def whole_state(state: dict, shapes: list[torch.Size] | None = None) -> dict:
 
 class ShardedOptimizer(torch.optim.Optimizer):
     """ZeRO-1: wraps any optimizer class; each rank keeps the state of its slices and updates them. With
-    reduce_scatter=True, ZeRO-2: each gradient is reduce-scattered as soon as backward makes it."""
+    reduce_scatter=True, ZeRO-2: gradients reduce-scattered as backward makes them, a bucket at a time."""
 
-    def __init__(self, params, optimizer_cls: type, reduce_scatter: bool = False, **kwargs) -> None:
+    def __init__(self, params, optimizer_cls: type, reduce_scatter: bool = False, bucket_mb: float = 25,
+                 **kwargs) -> None:
         super().__init__(params, kwargs)
         self.params, self.pending = [p for group in self.param_groups for p in group["params"]], []
+        self.bucket_bytes, self.ready = bucket_mb * 2**20, {}  # a dict: a gradient accumulated twice goes once
         for p in self.params:
             dist.broadcast(p.detach(), src=0)  # every rank starts from rank 0's weights, as DDP does
             if reduce_scatter:
@@ -69,21 +76,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.shard = {p: nn.Parameter(shard_of(p)) for p in self.params}  # fp32 masters of this rank's slices
         self.inner = optimizer_cls([{**g, "params": [self.shard[p] for p in g["params"]]} for g in self.param_groups])
 
-    def reduce_scatter(self, p: nn.Parameter) -> None:  # stage 2
-        reduce_scatter(p.grad, self.shard[p], self.pending)
-        p.grad = None  # the whole gradient is dropped: the slice is all this rank keeps
+    def reduce_scatter(self, p: nn.Parameter | None) -> None:  # stage 2; None: what is left, at the step
+        self.ready |= {} if p is None else {p: None}  # every rank sees the same order: the buckets match
+        if self.ready and (p is None or sum(q.grad.nbytes for q in self.ready) >= self.bucket_bytes):
+            reduce_scatter([q.grad for q in self.ready], [self.shard[q] for q in self.ready], self.pending)
+            for q in self.ready:
+                q.grad = None  # the whole gradient is dropped: the slice is all this rank keeps
+            self.ready = {}
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
         for ours, theirs in zip(self.param_groups, self.inner.param_groups, strict=True):  # a scheduler's changes
             theirs.update({k: v for k, v in ours.items() if k != "params"})
-        wait_for_slices(self.pending)  # stage 2's reduce-scatters
+        self.reduce_scatter(None)  # stage 2's last bucket
+        wait_for_slices(self.pending)
         for p in self.params:
             if p.grad is not None:  # stage 1: the gradient is whole, averaged already, on every rank
                 self.shard[p].grad = shard_of(p.grad)
         self.inner.step()  # this rank's slices only
-        for p in self.params:
-            p.copy_(gather(self.shard[p].detach(), p.shape))  # every rank's new slices: the same weights everywhere
+        sizes = [self.shard[p].numel() for p in self.params]  # every rank's new slices, in one all-gather:
+        every = gather(torch.cat([self.shard[p].detach() for p in self.params]), (dist.get_world_size(), sum(sizes)))
+        for p, rows in zip(self.params, every.split(sizes, dim=1), strict=True):  # rows: rank r's slice in row r
+            whole = rows.reshape(-1)[:p.numel()] if p.numel() % len(rows) else rows  # padded: a copy, unpadded
+            p.view(whole.shape).copy_(whole)  # the same weights everywhere
             if p.grad is not None:
                 self.shard[p].grad = None  # stage 1's copy of the slice is spent
 
@@ -108,7 +123,7 @@ class Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[None, None, None]:  # the slice's .grad is set by the wait
-        reduce_scatter(grad, ctx.fsdp.shards[ctx.i], ctx.fsdp.pending)
+        reduce_scatter([grad], [ctx.fsdp.shards[ctx.i]], ctx.fsdp.pending)
         return None, None, None
 
 

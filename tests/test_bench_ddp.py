@@ -11,6 +11,7 @@ from launch import REPO
 
 sys.path.insert(0, str(REPO))  # the scripts live at the repository root
 import bench_ddp  # noqa: E402
+import benchtools  # noqa: E402
 
 RANKS = 2
 BATCH_SIZES = [8, 32]
@@ -123,7 +124,7 @@ def test_trace_shows_all_reduces_running_during_backward(run):
     _, traces, _ = run
     for rank in range(RANKS):
         with open(traces / f"rank{rank}.json") as f:
-            lanes = bench_ddp.trace_lanes(json.load(f))
+            lanes = benchtools.trace_lanes(json.load(f))
         assert len(lanes["optimizer"]) == bench_ddp.TRACE_STEPS
         assert len(lanes["forward"]) == bench_ddp.TRACE_STEPS
         # Every step all-reduces, and on every rank some step's first bucket starts its all-reduce

@@ -1,6 +1,7 @@
 """ddp_by_hand.py: the hand-written DDP trains what torch's DistributedDataParallel trains, with one
 all-reduce per bucket per step, and no_sync() for accumulation."""
 import copy
+import time
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from workers import train_script
 
 import ddp_by_hand
+from model import build_model
 
 
 def count_all_reduces(fn):
@@ -32,7 +34,7 @@ def count_all_reduces(fn):
 
 
 ACCUMULATE = [*ARGV, "--grad_accum", "3"]
-SMALL_BUCKETS = ["--bucket_mb", "0.0001"]  # 104 bytes: the MLP's gradients in 3 buckets (below)
+SMALL_BUCKETS = ["--bucket_mb", "0.0001"]  # 104 bytes: the MLP's gradients in 2 buckets (below)
 
 
 def by_hand_and_torch(rank: int, world_size: int) -> dict:
@@ -64,7 +66,31 @@ def by_hand_and_torch(rank: int, world_size: int) -> dict:
             results["all-reduces in the synced backward"] = started
     results["grads"] = [[None if p.grad is None else p.grad.clone() for p in w.module.parameters()]
                         for w in (mine, reference)]
+    results["launches"] = launches_during_backward()
     return results
+
+
+def launches_during_backward() -> list[tuple[list[float], float, float]]:
+    """Three steps of the MLP at 10-byte buckets: for each, when each all-reduce was started, when backward
+    returned, and when finish_gradient_synchronization() returned."""
+    model, steps = ddp_by_hand.DDP(build_model(), bucket_mb=1e-5), []
+    all_reduce = dist.all_reduce
+
+    def timed(tensor, *args, **kwargs):
+        steps[-1][0].append(time.perf_counter())
+        return all_reduce(tensor, *args, **kwargs)
+
+    ddp_by_hand.dist.all_reduce = timed
+    try:
+        for _ in range(3):
+            steps.append(([], 0.0, 0.0))
+            model(torch.randn(8, 20)).square().mean().backward()
+            backward_end = time.perf_counter()
+            model.finish_gradient_synchronization()
+            steps[-1] = (steps[-1][0], backward_end, time.perf_counter())
+    finally:
+        ddp_by_hand.dist.all_reduce = all_reduce
+    return steps
 
 
 @pytest.fixture(scope="module")
@@ -96,12 +122,13 @@ def test_the_script_trains_what_torchs_ddp_trains(runs, ddp_runs, world_size, ac
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_one_all_reduce_per_bucket_per_step_and_none_under_no_sync(runs, world_size):
     """--bucket_mb 0.0001 (104 bytes) over the MLP's gradients in the order backward makes them: the output
-    layer's bias and weight (4 + 64 bytes), the hidden bias (64), the hidden weight (1,280): 3 buckets. With
-    --grad_accum 3, the 2 micro-batches under no_sync() all-reduce nothing: 3 all-reduces per step, plus one
-    per epoch for the losses. In the test's own loop, the two backward passes under no_sync() none."""
+    layer's bias and weight (4 + 64 bytes), then the hidden bias (64), which fills the bucket past 104, then
+    the hidden weight (1,280): 2 buckets, closed as torch closes them, once full. With --grad_accum 3, the 2
+    micro-batches under no_sync() all-reduce nothing: 2 all-reduces per step, plus one per epoch for the
+    losses. In the test's own loop, the two backward passes under no_sync() none."""
     results, _ = runs[world_size]
     steps = -(-300 // world_size // 7)  # ARGV: 300 samples, 7 per batch
-    assert len(results[0]["all-reduces"]) == 3 * (3 * steps + 1)
+    assert len(results[0]["all-reduces"]) == 3 * (2 * steps + 1)
     assert results[0]["all-reduces under no_sync"] == []
 
 
@@ -130,3 +157,15 @@ def test_the_script_trains_what_one_process_trains_with_the_global_batch(runs, w
     for name, tensor in expected.items():
         torch.testing.assert_close(results[0]["accumulated" if accumulate else "script"][name], tensor,
                                    **TOLERANCE, msg=name)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_in_each_step_every_bucket_is_sent_before_backward_ends(runs, world_size):
+    """The MLP at 10-byte buckets, 3 of them (the 4-byte output bias shares one with the output weight): in
+    each of three steps, all 3 all-reduces start inside backward (each from the hook of its bucket's last
+    gradient), none in finish_gradient_synchronization(), which only waits. Launched there instead, nothing
+    would overlap backward. When gloo then runs them is the profiler's to show: tests/test_bench_by_hand.py."""
+    results, _ = runs[world_size]
+    for rank in range(world_size):
+        for starts, backward_end, _ in results[rank]["launches"]:
+            assert len(starts) == 3 and max(starts) < backward_end

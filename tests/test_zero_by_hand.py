@@ -20,6 +20,7 @@ from model import build_model
 BYTES_LINE = re.compile(r"^\[rank (\d+)/(\d+)\] stage (\d) bytes held: parameters ([\d,]+) \| gradients ([\d,]+) \| "
                         r"optimizer state ([\d,]+)$", re.MULTILINE)
 STEPS, BATCH = 3, 4  # per rank
+HOWS = ("same batch", "stage 1", "stage 2", "stage 2 accumulated", "stage 3")
 OPTIMIZERS = {"SGD": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
               "AdamW": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1})}
 
@@ -97,7 +98,7 @@ def train_classes(rank: int, world_size: int, name: str, how: str, dtype=None) -
     share = slice(0, world_size * BATCH) if how == "same batch" else slice(rank * BATCH, (rank + 1) * BATCH)
     if how == "stage 1":
         model = ddp_by_hand.DDP(model)  # whole gradients, averaged in buckets
-    for p in model.parameters() if how in ("same batch", "stage 2") else []:
+    for p in model.parameters() if how in ("same batch", "stage 2", "stage 2 accumulated") else []:
         if not p.requires_grad:  # ShardedOptimizer broadcasts the parameters it is given; the frozen one is not
             dist.broadcast(p.detach(), src=0)
     if how == "stage 3":
@@ -105,10 +106,15 @@ def train_classes(rank: int, world_size: int, name: str, how: str, dtype=None) -
         optimizer = optimizer_cls(model.parameters(), **kwargs)
     else:
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = zero_by_hand.ShardedOptimizer(params, optimizer_cls, reduce_scatter=how == "stage 2", **kwargs)
+        optimizer = zero_by_hand.ShardedOptimizer(params, optimizer_cls, reduce_scatter=how.startswith("stage 2"),
+                                                  **kwargs)
     for x, y in zip(xs, ys, strict=True):
         optimizer.zero_grad()
-        F.mse_loss(model(x[share]), y[share]).backward()
+        if how == "stage 2 accumulated":  # two micro-batches: the first's gradients wait in the open bucket
+            for half in (slice(share.start, share.start + BATCH // 2), slice(share.start + BATCH // 2, share.stop)):
+                (F.mse_loss(model(x[half]), y[half]) / 2).backward()
+        else:
+            F.mse_loss(model(x[share]), y[share]).backward()
         getattr(model, "finish_gradient_synchronization", lambda: None)()
         optimizer.step()
     if how == "stage 3":
@@ -139,10 +145,11 @@ def fsdp_step_facts(rank: int, world_size: int) -> dict:
     finally:
         zero_by_hand.gather = original
     model.finish_gradient_synchronization()
-    optimizer = zero_by_hand.ShardedOptimizer([p for p in toy_model(0).parameters() if p.requires_grad],
-                                              torch.optim.SGD, reduce_scatter=True, lr=0.1)
-    facts["stage 2"] = count(["reduce_scatter_single", "all_gather_single"],
-                             lambda: (sum(p.sum() for p in optimizer.params).backward(), optimizer.step()))
+    for bucket_mb in (25, 1e-5):  # all in one bucket; a bucket per tensor (each has more than 10 bytes)
+        optimizer = zero_by_hand.ShardedOptimizer([p for p in toy_model(0).parameters() if p.requires_grad],
+                                                  torch.optim.SGD, reduce_scatter=True, bucket_mb=bucket_mb, lr=0.1)
+        facts["stage 2", bucket_mb] = count(["reduce_scatter_single", "all_gather_single"],
+                                            lambda o=optimizer: (sum(p.sum() for p in o.params).backward(), o.step()))
     facts["forward"] = count(["all_gather_single"], lambda: model(torch.randn(BATCH, 5)))
     return facts | {"gathered": len(gathered), "shards": [p.numel() for p in model.parameters()]}
 
@@ -157,7 +164,7 @@ def everything(rank: int, world_size: int, folder: str) -> dict:
     results["resumed"] = train_script(rank, world_size, "zero_by_hand", [*argv, "--stage", "1"])
     results["checkpoint"] = torch.load(f"{folder}/ckpt.pt", weights_only=True) if rank == 0 else None
     for name in OPTIMIZERS:
-        for how in ("same batch", "stage 1", "stage 2", "stage 3"):
+        for how in HOWS:
             results[name, how] = train_classes(rank, world_size, name, how)
         results[name, "stage 3 fp16"] = train_classes(rank, world_size, name, "stage 3", torch.float16)
     return results | {"facts": fsdp_step_facts(rank, world_size)}
@@ -226,7 +233,7 @@ def test_each_rank_holds_the_bytes_of_its_slices(runs, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-@pytest.mark.parametrize("how", ["same batch", "stage 1", "stage 2", "stage 3"])
+@pytest.mark.parametrize("how", HOWS)
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_the_classes_train_what_one_process_trains(runs, world_size, how, name):
     """With SGD (momentum, weight decay) and AdamW, a tied weight and a frozen bias, ranks seeded differently:
@@ -264,15 +271,16 @@ def test_fsdp_gathers_each_layer_twice_and_frees_it(runs, world_size):
     its 3 calls, the frozen bias is sharded too). Forward: an all-gather per weight per call. Backward: one
     per weight that autograd saved (a Linear keeps its weight to compute its input's gradient: every call
     but the first, whose input needs none), and a reduce-scatter per trainable weight per call. No gathered
-    weight outlives the forward or the backward that used it. Stage 2: a reduce-scatter per trainable
-    tensor in backward, an all-gather per tensor in the step."""
+    weight outlives the forward or the backward that used it. Stage 2: a reduce-scatter per bucket
+    in backward (one, or one per tensor with buckets of 10 bytes), one all-gather of every slice in the step."""
     results, _ = runs[world_size]
     facts = results[0]["facts"]
     assert facts["forward"] == {"all_gather_single": 5 * 2}
     assert facts["backward"] == {"all_gather_single": 4, "reduce_scatter_single": 5 * 2 - 1}
     assert facts["gathered"] == 5 * 2 + 4
     assert facts["after forward"] == facts["after backward"] == 0
-    assert facts["stage 2"] == {"reduce_scatter_single": 6, "all_gather_single": 6}
+    assert facts["stage 2", 25] == {"reduce_scatter_single": 1, "all_gather_single": 1}
+    assert facts["stage 2", 1e-5] == {"reduce_scatter_single": 6, "all_gather_single": 1}
     assert facts["shards"] == [-(-n // world_size) for n in (25, 5, 35, 7, 35, 5, 5)]  # the frozen bias too
 
 
