@@ -1,12 +1,12 @@
 """Data-parallel training with DDP written by hand: gradient buckets all-reduced while backward runs.
 
-`diff singlenode_cpu.py ddp_by_hand.py` is the lesson (docs/by_hand.md): DistributedDataParallel gives way to
-the class below, which a reader can import into a loop. It broadcasts rank 0's weights and hooks each parameter:
-a ready gradient joins a bucket of --bucket_mb, and a full bucket is all-reduced at once, asynchronously, while
-backward goes on; finish_gradient_synchronization() waits. --grad_accum k: k micro-batches, k - 1 in no_sync().
+`diff singlenode_cpu.py ddp_by_hand.py` is the lesson (docs/by_hand.md): DistributedDataParallel gives way to a
+class that broadcasts rank 0's weights and hooks each parameter: a ready gradient joins a bucket of --bucket_mb, a
+full bucket is all-reduced at once, asynchronously, while backward goes on; finish_gradient_synchronization() waits.
+--grad_accum k: k micro-batches, k - 1 in no_sync(). Tested on CPUs with gloo.
 
     torchrun --standalone --nproc-per-node 4 ddp_by_hand.py --checkpoint ckpt.pt
-    torchrun --standalone --nproc-per-node 2 ddp_by_hand.py --model wide --bucket_mb 1 --grad_accum 2
+    torchrun --standalone --nproc-per-node 2 ddp_by_hand.py --model wide --lr 0.001 --bucket_mb 1 --grad_accum 2
 """
 import argparse
 import contextlib
@@ -37,8 +37,7 @@ class DDP(nn.Module):
         for p in self.params:
             p.register_post_accumulate_grad_hook(self.ready)
 
-    def plan(self, order: list[nn.Parameter]) -> None:
-        """Buckets of about bucket_bytes, filled in `order`, the order the gradients become ready in."""
+    def plan(self, order: list[nn.Parameter]) -> None:  # buckets of bucket_bytes or a little more, in `order`
         self.buckets, size = [[]], 0
         for p in order:
             if size >= self.bucket_bytes:  # full: the gradient that crossed the limit is in it, as in torch's
@@ -46,13 +45,15 @@ class DDP(nn.Module):
             self.buckets[-1].append(p)
             size += p.numel() * p.element_size()
         self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
-        self.waiting, self.in_flight, self.ready_order = [len(bucket) for bucket in self.buckets], {}, []
+        self.waiting, self.in_flight, self.ready_order = [len(bucket) for bucket in self.buckets], {}, {}
 
     def ready(self, p: nn.Parameter) -> None:
         """A parameter's gradient is complete for this backward: once its bucket's are, all-reduce it."""
         if not self.sync:
             return  # no_sync(): the gradients only add up in .grad
-        self.ready_order.append(p)
+        if p in self.ready_order:  # its bucket may be on its way already: the new gradient would be lost
+            raise RuntimeError("a second backward in one step: run all but the last under no_sync()")
+        self.ready_order[p] = None
         self.waiting[self.bucket_of[p]] -= 1
         if self.waiting[self.bucket_of[p]] == 0:
             self.launch(self.bucket_of[p])
@@ -71,7 +72,7 @@ class DDP(nn.Module):
             work.wait()
             for p, g in zip(self.buckets[i], flat.split([p.numel() for p in self.buckets[i]]), strict=True):
                 p.grad = g.view_as(p)
-        self.plan(list(dict.fromkeys(self.ready_order + self.params[::-1])))  # the order seen, as torch does
+        self.plan(list(dict.fromkeys([*self.ready_order, *self.params[::-1]])))  # the order seen, as torch does
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -83,6 +84,8 @@ class DDP(nn.Module):
             self.sync = True
 
     def forward(self, *args, **kwargs):
+        if self.in_flight:  # torch's DDP waits by itself; this one needs the call, or replicas drift apart
+            raise RuntimeError("call finish_gradient_synchronization() after backward, before the step")
         return self.module(*args, **kwargs)
 
 
@@ -107,11 +110,8 @@ def parse_args() -> argparse.Namespace:
 
 def make_loaders(args: argparse.Namespace, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
     train_set, val_set = make_datasets(args.train_size, args.val_size)
-    # Rank r takes samples r, r + N, r + 2N, ... of a permutation of seed + epoch, repeating a few if N does
-    # not divide the size: a rank with an extra step would wait for ever in that step's all-reduce.
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
-    # Validation all-reduces no gradients, so it needs no equal steps: a strided shard, no repeats.
     val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=args.batch_size)
     return train_loader, val_loader
 

@@ -31,7 +31,7 @@ def shard_of(tensor: torch.Tensor, whole: bool = False) -> torch.Tensor:
 
 def gather(shard: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """Every rank's slice end to end, unpadded: the whole tensor, on every rank."""
-    flat = torch.empty(shard.numel() * dist.get_world_size(), dtype=shard.dtype)
+    flat = torch.empty(shard.numel() * dist.get_world_size(), dtype=shard.dtype, device=shard.device)
     dist.all_gather_single(flat, shard)
     return flat[:torch.Size(shape).numel()].view(shape)
 
@@ -41,7 +41,7 @@ def reduce_scatter(grads: list[torch.Tensor], shards: list[nn.Parameter], pendin
     collective: each padded gradient as N rows, laid side by side, so that rank r's part is row r of all."""
     n = dist.get_world_size()
     flat = torch.cat([shard_of(g, whole=True).view(n, -1) for g in grads], dim=1).reshape(-1).float().div_(n)
-    out = torch.empty(flat.numel() // n)
+    out = torch.empty(flat.numel() // n, device=flat.device)
     pending.append((dist.reduce_scatter_single(out, flat, async_op=True), shards, out))  # returns at once
 
 
@@ -137,9 +137,10 @@ class FSDP(nn.Module):
         self.module, self.dtype, self.pending, self.live = module, compute_dtype or torch.float32, [], {}
         for tensor in [*module.parameters(), *module.buffers()]:
             dist.broadcast(tensor.detach(), src=0)  # every rank starts from rank 0's weights
-        self.names, params = zip(*module.named_parameters(), strict=True)  # a tied weight comes once
+        params = list(module.parameters())  # a tied weight comes once
         self.shards = nn.ParameterList([nn.Parameter(shard_of(p), p.requires_grad) for p in params])
         self.shapes, index = [p.shape for p in params], {p: i for i, p in enumerate(params)}
+        self.names = {name: index[p] for name, p in module.named_parameters(remove_duplicate=False)}  # tied: both
         # layer → [(attribute, index of its slice)]: a tied weight is in two layers
         self.layers = {m: [(name, index[p]) for name, p in m.named_parameters(recurse=False)] for m in module.modules()}
         for layer, weights in self.layers.items():
@@ -175,13 +176,17 @@ class FSDP(nn.Module):
         wait_for_slices(self.pending)  # each slice's mean gradient in its .grad
 
     def gather_full_params(self) -> dict[str, torch.Tensor]:
-        """A collective: {name: whole fp32 tensor} under the wrapped model's own names."""
-        return {name: gather(self.shards[i].detach(), self.shapes[i]) for i, name in enumerate(self.names)}
+        """A collective: {name: whole fp32 tensor} under the wrapped model's own names (a tied weight under
+        each), with its buffers: what its state_dict() would be, loadable into the model unwrapped."""
+        return {name: gather(self.shards[i].detach(), self.shapes[i]) for name, i in self.names.items()} | {
+            name: buffer.clone() for name, buffer in self.module.named_buffers()}
 
-    def forward(self, *args):
+    def forward(self, *args, **kwargs):
+        def cast(a):  # floating-point tensors in compute_dtype; anything else as it is
+            return a.to(self.dtype) if torch.is_tensor(a) and a.is_floating_point() else a
         with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
-            out = self.module(*[a.to(self.dtype) if a.is_floating_point() else a for a in args])
-        return out.float()  # the loss in fp32
+            out = self.module(*map(cast, args), **{k: cast(v) for k, v in kwargs.items()})
+        return out.float() if torch.is_tensor(out) else out  # the loss in fp32 (a tuple: as the module made it)
 
 
 def parse_args() -> argparse.Namespace:

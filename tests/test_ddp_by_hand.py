@@ -67,7 +67,24 @@ def by_hand_and_torch(rank: int, world_size: int) -> dict:
     results["grads"] = [[None if p.grad is None else p.grad.clone() for p in w.module.parameters()]
                         for w in (mine, reference)]
     results["launches"] = launches_during_backward()
+    results["misuse"] = misuse()
     return results
+
+
+def misuse() -> list[str]:
+    """The two mistakes that torch's DDP catches or makes impossible, each a RuntimeError here too: a second
+    backward in one step outside no_sync(), and a forward before the last backward's buckets were waited for."""
+    model, x, errors = ddp_by_hand.DDP(build_model(), bucket_mb=1e-5), torch.randn(4, 20), []
+    loss = model(x).square().mean()
+    loss.backward(retain_graph=True)
+    for mistake in (lambda: loss.backward(), lambda: model(x)):
+        try:
+            mistake()
+        except RuntimeError as error:
+            errors.append(str(error))
+    model.finish_gradient_synchronization()
+    model(x)  # and after the wait, all is well again
+    return errors
 
 
 def launches_during_backward() -> list[tuple[list[float], float, float]]:
@@ -169,3 +186,14 @@ def test_in_each_step_every_bucket_is_sent_before_backward_ends(runs, world_size
     for rank in range(world_size):
         for starts, backward_end, _ in results[rank]["launches"]:
             assert len(starts) == 3 and max(starts) < backward_end
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_a_second_backward_or_a_forgotten_wait_is_an_error_not_a_wrong_gradient(runs, world_size):
+    """Without the checks, the second backward's gradients were lost (its bucket had left) and a forgotten
+    finish_gradient_synchronization() let each rank step on its own gradient: silently wrong either way."""
+    results, _ = runs[world_size]
+    for rank in range(world_size):
+        second, early = results[rank]["misuse"]
+        assert "second backward in one step" in second and "no_sync()" in second
+        assert "call finish_gradient_synchronization()" in early

@@ -68,7 +68,7 @@ def one_process(name: str, world_size: int, dtype: torch.dtype | None = None) ->
         for p, g in zip(params, grads, strict=True):
             p.grad = g
         optimizer.step()
-    return {name: p.detach() for name, p in model.named_parameters()}
+    return {name: p.detach() for name, p in model.named_parameters(remove_duplicate=False)}  # tied: both names
 
 
 def count(names: list[str], fn) -> dict[str, int]:
@@ -119,7 +119,7 @@ def train_classes(rank: int, world_size: int, name: str, how: str, dtype=None) -
         optimizer.step()
     if how == "stage 3":
         return model.gather_full_params()
-    return {n: p.detach() for n, p in getattr(model, "module", model).named_parameters()}
+    return {n: p.detach() for n, p in getattr(model, "module", model).named_parameters(remove_duplicate=False)}
 
 
 def fsdp_step_facts(rank: int, world_size: int) -> dict:
@@ -151,6 +151,7 @@ def fsdp_step_facts(rank: int, world_size: int) -> dict:
         facts["stage 2", bucket_mb] = count(["reduce_scatter_single", "all_gather_single"],
                                             lambda o=optimizer: (sum(p.sum() for p in o.params).backward(), o.step()))
     facts["forward"] = count(["all_gather_single"], lambda: model(torch.randn(BATCH, 5)))
+    facts["whole"] = list(model.gather_full_params())
     return facts | {"gathered": len(gathered), "shards": [p.numel() for p in model.parameters()]}
 
 
@@ -282,6 +283,7 @@ def test_fsdp_gathers_each_layer_twice_and_frees_it(runs, world_size):
     assert facts["stage 2", 25] == {"reduce_scatter_single": 1, "all_gather_single": 1}
     assert facts["stage 2", 1e-5] == {"reduce_scatter_single": 6, "all_gather_single": 1}
     assert facts["shards"] == [-(-n // world_size) for n in (25, 5, 35, 7, 35, 5, 5)]  # the frozen bias too
+    assert facts["whole"] == list(toy_model(0).state_dict())  # what a plain model loads: the tied weight twice
 
 
 def own_slice_only(out: torch.Tensor, flat: torch.Tensor, async_op: bool = False):
