@@ -33,6 +33,7 @@ class DDP(nn.Module):
         for tensor in [*module.parameters(), *module.buffers()]:
             dist.broadcast(tensor.detach(), src=0)  # every replica starts from rank 0's weights
         self.params = [p for p in module.parameters() if p.requires_grad]  # a tied weight once, a frozen one not
+        self.index = {p: i for i, p in enumerate(self.params)}
         self.plan(self.params[::-1])  # a first guess: backward reaches the last layers first
         for p in self.params:
             p.register_post_accumulate_grad_hook(self.ready)
@@ -55,8 +56,8 @@ class DDP(nn.Module):
             raise RuntimeError("a second backward in one step: run all but the last under no_sync()")
         self.ready_order[p] = None
         self.waiting[self.bucket_of[p]] -= 1
-        if self.waiting[self.bucket_of[p]] == 0:
-            self.launch(self.bucket_of[p])
+        while len(self.in_flight) < len(self.buckets) and self.waiting[len(self.in_flight)] == 0:
+            self.launch(len(self.in_flight))  # in order: every rank must start the same all-reduces in turn
 
     def launch(self, i: int) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[i]]
@@ -72,7 +73,9 @@ class DDP(nn.Module):
             work.wait()
             for p, g in zip(self.buckets[i], flat.split([p.numel() for p in self.buckets[i]]), strict=True):
                 p.grad = g.view_as(p)
-        self.plan(list(dict.fromkeys([*self.ready_order, *self.params[::-1]])))  # the order seen, as torch does
+        order = torch.tensor([self.index[p] for p in dict.fromkeys([*self.ready_order, *self.params[::-1]])])
+        dist.broadcast(order, src=0)  # the order rank 0 saw: every rank must cut the same buckets
+        self.plan([self.params[i] for i in order])
 
     @contextlib.contextmanager
     def no_sync(self):

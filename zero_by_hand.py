@@ -61,8 +61,9 @@ def whole_state(state: dict, shapes: list[torch.Size] | None = None) -> dict:
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
-    """ZeRO-1: wraps any optimizer class; each rank keeps the state of its slices and updates them. With
-    reduce_scatter=True, ZeRO-2: gradients reduce-scattered as backward makes them, a bucket at a time."""
+    """ZeRO-1: wraps an element-wise optimizer class (SGD, Adam, AdamW: not Adafactor or LAMB, which look at
+    whole tensors); each rank keeps the state of its slices and updates them. Build it after loading weights:
+    it copies them. reduce_scatter=True, ZeRO-2: gradients reduce-scattered as backward makes them, by bucket."""
 
     def __init__(self, params, optimizer_cls: type, reduce_scatter: bool = False, bucket_mb: float = 25,
                  **kwargs) -> None:
@@ -71,9 +72,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.bucket_bytes, self.ready = bucket_mb * 2**20, {}  # a dict: a gradient accumulated twice goes once
         for p in self.params:
             dist.broadcast(p.detach(), src=0)  # every rank starts from rank 0's weights, as DDP does
-            if reduce_scatter:
+            if reduce_scatter and p.requires_grad:
                 p.register_post_accumulate_grad_hook(self.reduce_scatter)
-        self.shard = {p: nn.Parameter(shard_of(p)) for p in self.params}  # fp32 masters of this rank's slices
+        self.shard = {p: nn.Parameter(shard_of(p).float()) for p in self.params}  # fp32 masters of this rank's slices
         self.inner = optimizer_cls([{**g, "params": [self.shard[p] for p in g["params"]]} for g in self.param_groups])
 
     def reduce_scatter(self, p: nn.Parameter | None) -> None:  # stage 2; None: what is left, at the step
@@ -92,7 +93,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         wait_for_slices(self.pending)
         for p in self.params:
             if p.grad is not None:  # stage 1: the gradient is whole, averaged already, on every rank
-                self.shard[p].grad = shard_of(p.grad)
+                self.shard[p].grad = shard_of(p.grad).float()
         self.inner.step()  # this rank's slices only
         sizes = [self.shard[p].numel() for p in self.params]  # every rank's new slices, in one all-gather:
         every = gather(torch.cat([self.shard[p].detach() for p in self.params]), (dist.get_world_size(), sum(sizes)))
@@ -103,6 +104,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self.shard[p].grad = None  # stage 1's copy of the slice is spent
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.reduce_scatter(None)  # a step skipped: its gradients still go, every rank alike, then are dropped
+        wait_for_slices(self.pending)
         super().zero_grad(set_to_none)
         self.inner.zero_grad(set_to_none)
 
@@ -111,6 +114,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.inner.load_state_dict(whole_state(state_dict))
+        for ours, theirs in zip(self.param_groups, self.inner.param_groups, strict=True):  # the saved lr, not ours
+            ours.update({k: v for k, v in theirs.items() if k != "params"})
 
 
 class Gather(torch.autograd.Function):
@@ -147,7 +152,7 @@ class FSDP(nn.Module):
             for name, _ in weights:
                 del layer._parameters[name]  # the whole weight lives only from its gather to its free
             layer.register_forward_pre_hook(lambda layer, args: self.gather_layer(layer))
-            layer.register_forward_hook(lambda layer, args, out: self.free_layer(layer))
+            layer.register_forward_hook(lambda layer, args, out: self.free_layer(layer), always_call=True)
 
     def gather_weight(self, i: int) -> torch.Tensor:
         return gather(self.shards[i].detach().to(self.dtype), self.shapes[i])  # cast first: fewer bytes to send

@@ -68,7 +68,35 @@ def by_hand_and_torch(rank: int, world_size: int) -> dict:
                         for w in (mine, reference)]
     results["launches"] = launches_during_backward()
     results["misuse"] = misuse()
+    results["unused on rank 0"] = unused_on_some_ranks(rank)
     return results
+
+
+class Branch(nn.Module):
+    """Two layers, the second used only where skip is False: on rank 0 it is not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, skip: bool) -> torch.Tensor:
+        return self.a(x) if skip else self.b(self.a(x))
+
+
+def unused_on_some_ranks(rank: int) -> list[list[torch.Tensor]]:
+    """Three steps in which rank 0 skips layer b and the others do not, with a bucket per parameter: by hand
+    and torch's DDP(find_unused_parameters=True), the gradients after each step."""
+    torch.manual_seed(0)
+    model, grads = Branch(), []
+    for wrapped in (ddp_by_hand.DDP(copy.deepcopy(model), bucket_mb=1e-5),
+                    DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=1e-5, find_unused_parameters=True)):
+        torch.manual_seed(10 + rank)
+        for _ in range(3):
+            wrapped.module.zero_grad()
+            wrapped(torch.randn(8, 4), skip=rank == 0).square().mean().backward()
+            getattr(wrapped, "finish_gradient_synchronization", lambda: None)()
+        grads.append([p.grad.clone() for p in wrapped.module.parameters()])
+    return grads
 
 
 def misuse() -> list[str]:
@@ -197,3 +225,16 @@ def test_a_second_backward_or_a_forgotten_wait_is_an_error_not_a_wrong_gradient(
         second, early = results[rank]["misuse"]
         assert "second backward in one step" in second and "no_sync()" in second
         assert "call finish_gradient_synchronization()" in early
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_layer_that_some_ranks_skip_gets_torchs_gradients(runs, world_size):
+    """Rank 0 never uses layer b: its buckets leave from finish_gradient_synchronization() there, mid-backward
+    elsewhere. The buckets still start in the same order on every rank, and every rank cuts them from rank 0's
+    order, so the averages are torch's DDP(find_unused_parameters=True)'s. Red with a bucket launched as soon
+    as it fills (ranks then add different buckets together) or planned from each rank's own order."""
+    results, _ = runs[world_size]
+    for rank in range(world_size):
+        mine, theirs = results[rank]["unused on rank 0"]
+        for a, b in zip(mine, theirs, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

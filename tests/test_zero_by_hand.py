@@ -152,6 +152,11 @@ def fsdp_step_facts(rank: int, world_size: int) -> dict:
                                             lambda o=optimizer: (sum(p.sum() for p in o.params).backward(), o.step()))
     facts["forward"] = count(["all_gather_single"], lambda: model(torch.randn(BATCH, 5)))
     facts["whole"] = list(model.gather_full_params())
+    saved = optimizer.state_dict()  # the last stage-2 optimizer, SGD at lr 0.1
+    saved["param_groups"][0]["lr"] = 0.01  # as a scheduler would have left it
+    optimizer.load_state_dict(saved)
+    optimizer.step()  # the step passes the outer groups' lr on to the wrapped optimizer
+    facts["lr after load"] = optimizer.param_groups[0]["lr"], optimizer.inner.param_groups[0]["lr"]
     return facts | {"gathered": len(gathered), "shards": [p.numel() for p in model.parameters()]}
 
 
@@ -284,6 +289,7 @@ def test_fsdp_gathers_each_layer_twice_and_frees_it(runs, world_size):
     assert facts["stage 2", 1e-5] == {"reduce_scatter_single": 6, "all_gather_single": 1}
     assert facts["shards"] == [-(-n // world_size) for n in (25, 5, 35, 7, 35, 5, 5)]  # the frozen bias too
     assert facts["whole"] == list(toy_model(0).state_dict())  # what a plain model loads: the tied weight twice
+    assert facts["lr after load"] == (0.01, 0.01)  # the saved learning rate, not the constructor's
 
 
 def own_slice_only(out: torch.Tensor, flat: torch.Tensor, async_op: bool = False):
