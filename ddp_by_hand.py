@@ -24,8 +24,7 @@ from model import MODELS, build_model
 
 
 class DDP(nn.Module):
-    """DistributedDataParallel by hand. The gradients of each step, averaged over the ranks, are in every
-    .grad once finish_gradient_synchronization() returns; within no_sync() they only accumulate."""
+    """DistributedDataParallel by hand: .grad holds the ranks' mean once finish_gradient_synchronization() returns."""
 
     def __init__(self, module: nn.Module, bucket_mb: float = 25) -> None:
         super().__init__()
@@ -60,9 +59,8 @@ class DDP(nn.Module):
             self.launch(len(self.in_flight))  # in order: every rank must start the same all-reduces in turn
 
     def launch(self, i: int) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[i]]
-        flat = torch.cat([g.reshape(-1) for g in grads]).div_(dist.get_world_size())  # divided first, as DDP does
-        self.in_flight[i] = (dist.all_reduce(flat, async_op=True), flat)  # returns at once: backward goes on
+        flat = torch.cat([p.new_zeros(p.numel()) if p.grad is None else p.grad.reshape(-1) for p in self.buckets[i]])
+        self.in_flight[i] = (dist.all_reduce(flat.div_(dist.get_world_size()), async_op=True), flat)  # /N first, as DDP
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for every bucket and leave the mean gradient in each .grad."""
@@ -78,8 +76,7 @@ class DDP(nn.Module):
         self.plan([self.params[i] for i in order])
 
     @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulation: the backward passes inside only add up; the next one outside all-reduces the sum."""
+    def no_sync(self):  # accumulation: backward passes inside add up; the next one outside all-reduces the sum
         self.sync = False
         try:
             yield
