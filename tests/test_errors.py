@@ -144,8 +144,10 @@ def test_the_gpu_lesson_on_a_machine_without_a_gpu_is_one_line_per_rank():
     result = torchrun(2, "singlenode_gpu.py")
     assert result.returncode != 0 and 'singlenode_gpu.py", line' not in result.stderr  # torchrun's own report only
     # Each rank's line is one write, but Python writes a SystemExit's newline apart: two lines can share one.
-    for rank in range(2):
-        assert result.stderr.count(f"error: local rank {rank} but 0 GPUs: one process per GPU") == 1
+    # torchrun stops the other workers once one fails, so a rank still importing torch may end before its line
+    # (seen once in CI on a loaded machine): at most one line per rank, and at least one in all.
+    counts = [result.stderr.count(f"error: local rank {rank} but 0 GPUs: one process per GPU") for rank in range(2)]
+    assert max(counts) == 1, counts
 
 
 def test_no_script_loads_a_checkpoint_without_weights_only():
