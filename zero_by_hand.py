@@ -1,9 +1,7 @@
 """ZeRO by hand: the optimizer state (stage 1), then the gradients (2), then the parameters (3) sharded.
 
-A diff of ddp_by_hand.py (docs/by_hand.md). Each parameter is flattened, padded and cut into one equal slice
-per rank. Stage 1: ShardedOptimizer keeps the optimizer state of this rank's slices, updates them, all-gathers
-the rest. Stage 2: gradients reduce-scattered as backward makes them, a bucket at a time. Stage 3: FSDP keeps
-slices of the weights, gathers each layer before its forward and its backward, frees it after.
+A diff of ddp_by_hand.py (docs/by_hand.md): each parameter is cut into one slice per rank. Stage 1 updates this
+rank's slices, then all-gathers them; 2 also reduce-scatters gradients; 3 gathers each layer for its passes only.
 
     torchrun --standalone --nproc-per-node 4 zero_by_hand.py --stage 3 --checkpoint ckpt.pt
 """
@@ -22,11 +20,10 @@ from model import MODELS, build_model
 
 
 def shard_of(tensor: torch.Tensor, whole: bool = False) -> torch.Tensor:
-    """This rank's slice of the flattened tensor, padded with zeros to a multiple of the ranks (or all of it)."""
-    size, flat = -(-tensor.numel() // dist.get_world_size()), tensor.detach().reshape(-1)  # ceil: all equally long
-    flat = F.pad(flat, (0, size * dist.get_world_size() - flat.numel())) if flat.numel() % dist.get_world_size() \
-        else flat  # no copy where nothing needs padding
-    return flat if whole else flat[dist.get_rank() * size:][:size].clone()
+    """This rank's slice of the flattened tensor, padded with zeros to a multiple of the ranks (whole: all N)."""
+    n, flat = dist.get_world_size(), tensor.detach().reshape(-1)
+    flat = F.pad(flat, (0, -flat.numel() % n)) if flat.numel() % n else flat  # no copy where none is needed
+    return flat if whole else flat.view(n, -1)[dist.get_rank()].clone()
 
 
 def gather(shard: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -37,9 +34,8 @@ def gather(shard: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def reduce_scatter(grads: list[torch.Tensor], shards: list[nn.Parameter], pending: list) -> None:
-    """Start summing every rank's gradients / N in fp32, of which this rank receives its slices, in one
-    collective: each padded gradient as N rows, laid side by side, so that rank r's part is row r of all."""
-    n = dist.get_world_size()
+    """Start one collective that sums every rank's gradients / N in fp32 and gives this rank its slices."""
+    n = dist.get_world_size()  # each padded gradient as N rows side by side: rank r receives row r of all
     flat = torch.cat([shard_of(g, whole=True).view(n, -1) for g in grads], dim=1).reshape(-1).float().div_(n)
     out = torch.empty(flat.numel() // n, device=flat.device)
     pending.append((dist.reduce_scatter_single(out, flat, async_op=True), shards, out))  # returns at once
@@ -61,9 +57,8 @@ def whole_state(state: dict, shapes: list[torch.Size] | None = None) -> dict:
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
-    """ZeRO-1: wraps an element-wise optimizer class (SGD, Adam, AdamW: not Adafactor or LAMB, which look at
-    whole tensors); each rank keeps the state of its slices and updates them. Build it after loading weights:
-    it copies them. reduce_scatter=True, ZeRO-2: gradients reduce-scattered as backward makes them, by bucket."""
+    """ZeRO-1 over an element-wise optimizer class (SGD, Adam; not LAMB, which looks at whole tensors): each rank
+    keeps the state of its slices. Build it after loading weights. reduce_scatter=True: ZeRO-2."""
 
     def __init__(self, params, optimizer_cls: type, reduce_scatter: bool = False, bucket_mb: float = 25,
                  **kwargs) -> None:
@@ -133,9 +128,8 @@ class Gather(torch.autograd.Function):
 
 
 class FSDP(nn.Module):
-    """ZeRO-3: parameters() are this rank's slices. Each layer's weights are gathered just before its forward
-    and again before its backward, and freed after each. compute_dtype: weights cast before the gather,
-    forward and backward in it; the slices, their gradients and the optimizer's state stay fp32."""
+    """ZeRO-3: parameters() are this rank's slices; each layer's weights are gathered before its forward and its
+    backward, freed after. compute_dtype: the weights' before the gather; slices, gradients, state fp32."""
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None) -> None:
         super().__init__()
