@@ -70,11 +70,13 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
-        self.dropout = nn.Dropout(config.dropout)
+        # One Dropout module each: a module called twice per forward breaks torch's CommDebugMode, whose
+        # module tracker registers a forward hook at each call (torch 2.13), so the second call pops twice.
+        self.attn_dropout, self.mlp_dropout = nn.Dropout(config.dropout), nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.ln_1(x)))
-        return x + self.dropout(self.mlp(self.ln_2(x)))
+        x = x + self.attn_dropout(self.attn(self.ln_1(x)))
+        return x + self.mlp_dropout(self.mlp(self.ln_2(x)))
 
 
 class GPT(nn.Module):
