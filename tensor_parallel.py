@@ -1,8 +1,8 @@
 """Tensor parallel by hand, Megatron's way, on gpt/model.py's GPT; then sequence parallel; then torch's own.
 
-Each block's attention and MLP split among the ranks: q, k, v, fc by rows, o, proj by columns, then an all-reduce
-of the partial sums. --sequence_parallel: a slice of the sequence per rank outside them, the all-reduce a reduce-
-scatter and an all-gather. One step checked against one process, with its collectives; then parallelize_module's.
+docs/tensor_parallel.md. Each block's attention and MLP split among the ranks: q, k, v, fc by rows, o, proj by
+columns, then an all-reduce of the partial sums. --sequence_parallel: a slice of the sequence per rank outside them,
+the all-reduce a reduce-scatter and an all-gather. One step checked against one process, with its collectives.
 
     torchrun --standalone --nproc-per-node 2 tensor_parallel.py
     torchrun --standalone --nproc-per-node 4 tensor_parallel.py --sequence_parallel
