@@ -105,7 +105,7 @@ def main() -> None:
         raise SystemExit(f"error: --tp {args.tp} must divide the {world_size} ranks and --n_head {args.n_head}, and "
                          f"the {world_size // max(args.tp, 1)} rows --batch_size {args.batch_size}")
     dist.init_process_group("gloo", rank=rank, world_size=world_size)  # env://: meets at MASTER_ADDR:MASTER_PORT
-    try:  # destroy also when training raises
+    try:  # destroy also when training raises (gloo's threads outlive it all the same: see os._exit below)
         train(args, rank, world_size)
     finally:
         dist.destroy_process_group()
@@ -113,3 +113,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    os._exit(0)  # skip the interpreter's teardown: DTensor's caches keep the mesh, and gloo's threads can abort it

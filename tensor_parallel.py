@@ -170,11 +170,10 @@ def parse_args() -> argparse.Namespace:
 
 def check(args: argparse.Namespace, rank: int, world_size: int) -> None:
     reference = GPT(GPTConfig(VOCAB_SIZE, args.seq_len, args.n_layer, args.n_head, args.n_embd))
-    reference.init_weights(seed=0)  # the same weights on every rank, drawn from the seed: no broadcast needed
+    reference.init_weights(seed=0)  # the same weights and batch on every rank, from seeds: no broadcast needed
     models = {name: parallelize(copy.deepcopy(reference), args.sequence_parallel) for name, parallelize in
               (("by hand", tensor_parallel), ("parallelize_module", torch_tensor_parallel))}
-    tokens = torch.randint(VOCAB_SIZE, (args.batch_size, args.seq_len + 1),
-                           generator=torch.Generator().manual_seed(0))  # the same batch on every rank
+    tokens = torch.randint(VOCAB_SIZE, (args.batch_size, args.seq_len + 1), generator=torch.Generator().manual_seed(0))
     loss_of(reference, tokens)[0].backward()
     error = max(check_step(name, model, reference, tokens, rank, world_size)[0] for name, model in models.items())
     if error > TOLERANCE:
@@ -190,7 +189,7 @@ def main() -> None:
         raise SystemExit(f"error: {world_size} ranks must divide --n_head {args.n_head} (and --seq_len {args.seq_len} "
                          f"with --sequence_parallel), and --n_head must divide --n_embd {args.n_embd}")
     dist.init_process_group("gloo", rank=rank, world_size=world_size)  # env://: meets at MASTER_ADDR:MASTER_PORT
-    try:  # destroy also when training raises
+    try:  # destroy also when training raises (gloo's threads outlive it all the same: see os._exit below)
         check(args, rank, world_size)
     finally:
         dist.destroy_process_group()
@@ -198,3 +197,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    os._exit(0)  # skip the interpreter's teardown: DTensor's caches keep the mesh, and gloo's threads can abort it

@@ -7,7 +7,6 @@ import sys
 import pytest
 import torch
 from harness import spawn
-from launch import torchrun
 from test_errors import assert_one_line, run_main
 
 import mesh_2d
@@ -24,7 +23,9 @@ def train(rank: int, world_size: int, argv: list[str]) -> dict[str, torch.Tensor
 
 
 def both(rank: int, world_size: int) -> dict:
+    """The default 2 × 2 mesh, one row of 4 (tensor parallel only), and a broken run, in one process group."""
     results = {"weights": train(rank, world_size, [])}
+    results["one row"] = train(rank, world_size, ["--tp", "4", "--steps", "3"])
     original = mesh_2d.parallelize
 
     def without_gradient_sync(model, mesh):  # FSDP2 skips its reduce-scatter of the gradients down the column
@@ -82,10 +83,11 @@ def test_without_the_data_parallel_average_the_run_fails_its_check(run):
     assert all("weights differ from one process's" in result["broken"] for result in run[0])
 
 
-def test_the_script_runs_at_one_row_of_four(tmp_path):
-    result = torchrun(4, "mesh_2d.py", "--tp", "4", "--steps", "3", timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "weights" in result.stdout and "terminate called" not in result.stderr
+def test_one_row_of_four_trains_too(run):
+    """--tp 4: tensor parallel only; its own check passed (it raises past 1e-4), and every rank gathered the same."""
+    assert all(set(result["one row"]) == set(run[0][0]["weights"]) for result in run[0])
+    for result in run[0][1:]:
+        assert all(torch.equal(result["one row"][name], t) for name, t in run[0][0]["one row"].items())
 
 
 @pytest.mark.parametrize("argv, env, message", [

@@ -116,10 +116,10 @@ def test_a_missing_tied_weight_sum_is_caught(runs, world_size):
 
 def test_the_script_runs_draws_its_schedule_and_exits_cleanly(tmp_path):
     picture = tmp_path / "pipeline.png"
-    result = torchrun(3, "pipeline_parallel.py", "--schedule", "gpipe", "--steps", "2", "--plot", str(picture),
+    result = torchrun(2, "pipeline_parallel.py", "--schedule", "gpipe", "--steps", "2", "--plot", str(picture),
                       timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert len(CHECK.findall(result.stdout)) == 3 and len(IDLE.findall(result.stdout)) == 2
+    assert len(CHECK.findall(result.stdout)) == 2 and len(IDLE.findall(result.stdout)) == 2
     assert picture.stat().st_size > 10_000 and "terminate called" not in result.stderr
 
 
