@@ -248,6 +248,7 @@ LESSONS = {"single_process.py": 150, "singlenode_cpu.py": 130, "singlenode_gpu.p
            "unused_parameters.py": 150, "sync_batchnorm.py": 150, "model_parallel.py": 150, "debug_hang.py": 150,
            "zero_optimizer.py": 150, "fsdp2.py": 150, "ddp_by_hand.py": 200, "zero_by_hand.py": 312,
            "tensor_parallel.py": 200, "pipeline_parallel.py": 250, "mesh_2d.py": 150,
+           "context_parallel.py": 200,
            "comm_intro.py": 300,
            "comm_collectives.py": 300,
            "bench_comm.py": 300, "bench_ddp.py": 300, "bench_memory.py": 300, "bench_by_hand.py": 300}
