@@ -14,7 +14,8 @@ DOCS = "\n".join(path.read_text() for path in sorted((REPO / "docs").glob("*.md"
 SCRIPTS = ["single_process", "singlenode_cpu", "singlenode_gpu", "mp_spawn", "start_with_torchrun", "bench_ddp",
            "grad_accumulation", "uneven_inputs", "unused_parameters", "sync_batchnorm", "model_parallel", "debug_hang",
            "zero_optimizer", "fsdp2", "bench_memory", "bench_comm", "comm_intro", "comm_collectives", "ddp_by_hand",
-           "zero_by_hand", "bench_by_hand", "tensor_parallel", "pipeline_parallel", "mesh_2d", "context_parallel"]
+           "zero_by_hand", "bench_by_hand", "tensor_parallel", "pipeline_parallel", "mesh_2d", "context_parallel",
+           "expert_parallel"]
 
 
 def quick_start() -> list[str]:

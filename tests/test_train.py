@@ -242,13 +242,13 @@ def test_no_gloo_thread_outlives_destroy_process_group():
     assert after == before
 
 
-PARALLELISM = ["tensor_parallel.py", "pipeline_parallel.py", "mesh_2d.py"]
+PARALLELISM = ["tensor_parallel.py", "pipeline_parallel.py", "mesh_2d.py", "expert_parallel.py"]
 LESSONS = {"single_process.py": 150, "singlenode_cpu.py": 130, "singlenode_gpu.py": 150, "mp_spawn.py": 150,
            "start_with_torchrun.py": 150, "grad_accumulation.py": 150, "uneven_inputs.py": 150,
            "unused_parameters.py": 150, "sync_batchnorm.py": 150, "model_parallel.py": 150, "debug_hang.py": 150,
            "zero_optimizer.py": 150, "fsdp2.py": 150, "ddp_by_hand.py": 200, "zero_by_hand.py": 312,
            "tensor_parallel.py": 200, "pipeline_parallel.py": 250, "mesh_2d.py": 150,
-           "context_parallel.py": 200,
+           "context_parallel.py": 200, "expert_parallel.py": 200,
            "comm_intro.py": 300,
            "comm_collectives.py": 300,
            "bench_comm.py": 300, "bench_ddp.py": 300, "bench_memory.py": 300, "bench_by_hand.py": 300}

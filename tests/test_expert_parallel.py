@@ -1,0 +1,107 @@
+"""expert_parallel.py at 2 and 4 ranks: the MoE layer's output and gradients equal the same layer in one process
+with the same routing; the tokens each expert receives are those its router kept on every rank; training ends
+with one process's weights; without the shared weights' all-reduce the run fails its check."""
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import spawn
+from test_errors import assert_one_line, run_main
+from workers import train_script
+
+import expert_parallel
+
+ARGV = ["--steps", "3", "--capacity_factor", "1.0", "--n_experts", "4"]  # 1.0: some tokens are dropped
+
+
+def layer_and_training(rank: int, world_size: int) -> dict:
+    sys.argv = ["expert_parallel.py", *ARGV]
+    args = expert_parallel.parse_args()
+    moe = expert_parallel.build(args, world_size, rank).blocks[0].mlp  # this rank's experts
+    whole = expert_parallel.build(args, 1, 0).blocks[0].mlp  # all of them, in this process
+    parts = torch.randn(world_size, 4, 8, args.n_embd, generator=torch.Generator().manual_seed(3))  # every rank's x
+    grads = torch.randn(world_size, 4, 8, args.n_embd, generator=torch.Generator().manual_seed(4))
+    x, reference_x = parts[rank].clone().requires_grad_(), parts.clone().requires_grad_()
+    (moe(x) * grads[rank]).sum().backward()  # this rank's part, its experts anywhere
+    out, received = moe(x).detach(), dict(moe.received)
+    reference_out, routed = [], 0
+    for r in range(world_size):  # one process, every part alone: the same capacities, the same routing
+        reference_out.append(whole(reference_x[r]))
+        routed = routed + whole.routed
+    sum(((o * g).sum() for o, g in zip(reference_out, grads, strict=True))).backward()
+    dist.all_reduce(moe.router.weight.grad)  # the router's gradient: every rank's part
+    experts = {name: (p.grad - dict(whole.named_parameters())[name].grad).abs().max().item()
+               for name, p in moe.named_parameters()}
+    results = {"out": (out - reference_out[rank].detach()).abs().max().item(),
+               "x grad": (x.grad - reference_x.grad[rank]).abs().max().item(), "gradients": experts,
+               "received": received, "routed": {e: int(routed[e]) for e in received}}
+    results["weights"] = train_script(rank, world_size, "expert_parallel", ARGV)
+    original = expert_parallel.average_gradients
+    expert_parallel.average_gradients = lambda model, world_size: None  # shared weights never all-reduced
+    try:
+        train_script(rank, world_size, "expert_parallel", [*ARGV[:1], "0", *ARGV[2:]])
+    except SystemExit as exc:
+        results["broken"] = str(exc)
+    finally:
+        expert_parallel.average_gradients = original
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[int, list[dict]]:
+    return {n: spawn(layer_and_training, n, timeout=120)[0] for n in (2, 4)}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_layer_s_output_and_gradients_are_one_process_s(runs, world_size):
+    """fp32, to 1e-5: an expert's gradient sums its rows in another order when they come from several ranks."""
+    for result in runs[world_size]:
+        assert result["out"] <= 1e-6 and result["x grad"] <= 1e-5
+        assert max(result["gradients"].values()) <= 1e-5 and "router.weight" in result["gradients"]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_each_expert_receives_the_tokens_every_rank_s_router_kept_for_it(runs, world_size):
+    experts = set()
+    for result in runs[world_size]:
+        assert result["received"] == result["routed"] and sum(result["received"].values()) > 0
+        experts |= set(result["received"])
+    assert experts == set(range(4))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_training_ends_with_one_process_s_weights(runs, world_size):
+    """3 AdamW steps, to 1e-4: Adam divides each number's gradient by its own running RMS, so the 1e-8
+    differences of a near-zero gradient can change its step."""
+    sys.argv = ["expert_parallel.py", *ARGV]
+    args = expert_parallel.parse_args()
+    reference = expert_parallel.build(args, 1, 0)
+    tokens = torch.randint(expert_parallel.VOCAB_SIZE, (args.batch_size, args.seq_len + 1),
+                           generator=torch.Generator().manual_seed(args.seed))
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr)
+    for _ in range(args.steps + 1):
+        expert_parallel.one_process_step(reference, tokens, world_size, args.aux_weight)
+        optimizer.step()
+        optimizer.zero_grad()
+    whole, seen = reference.state_dict(), set()
+    for result in runs[world_size]:
+        for name, tensor in result["weights"].items():
+            assert torch.allclose(tensor, whole[name], atol=1e-4, rtol=0), name
+            seen.add(name)
+    assert seen == set(whole)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_without_the_shared_weights_all_reduce_the_run_fails_its_check(runs, world_size):
+    assert all("differs from one process" in result["broken"] for result in runs[world_size])
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    ([], {}, "start this script with torchrun"),
+    (["--n_experts", "6"], {"RANK": "0", "WORLD_SIZE": "4"}, "4 ranks must divide --n_experts 6"),
+    (["--top_k", "5"], {}, "--top_k must be at most --n_experts"),
+    (["--capacity_factor", "0"], {}, "--capacity_factor must be above 0"),
+])
+def test_bad_input_is_one_line(argv, env, message):
+    assert_one_line(*run_main("expert_parallel.py", *argv, env=env)[::2], message)
