@@ -1,4 +1,4 @@
-"""Two dimensions at once: FSDP2 across the rows of a device mesh, tensor parallel along its columns.
+"""Two dimensions at once: tensor parallel along the rows of a device mesh, FSDP2 down its columns.
 
 docs/mesh_2d.md. Four ranks make a 2 × 2 mesh: ranks in one row ("tp") split each block's matrices among
 themselves (parallelize_module, as tensor_parallel.py does), ranks in one column ("dp") see different data and
@@ -15,7 +15,7 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.distributed.tensor.parallel as tp  # imports torch.distributed.nn: before the group, as it must be
+import torch.distributed.tensor.parallel as tp  # also imports torch.distributed.nn before the group: see fsdp2.py
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -101,9 +101,10 @@ def main() -> None:
     if "RANK" not in os.environ:  # torchrun sets these in every process
         raise SystemExit("error: start this script with torchrun --standalone --nproc-per-node 4 mesh_2d.py")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world_size % args.tp or args.n_head % args.tp or args.batch_size % (world_size // args.tp):
-        raise SystemExit(f"error: --tp {args.tp} must divide the {world_size} ranks and --n_head {args.n_head}, and "
-                         f"the {world_size // max(args.tp, 1)} rows --batch_size {args.batch_size}")
+    if world_size % args.tp or args.n_head % args.tp:
+        raise SystemExit(f"error: --tp {args.tp} must divide the {world_size} ranks and --n_head {args.n_head}")
+    if args.batch_size % (world_size // args.tp):
+        raise SystemExit(f"error: the {world_size // args.tp} rows must divide --batch_size {args.batch_size}")
     dist.init_process_group("gloo", rank=rank, world_size=world_size)  # env://: meets at MASTER_ADDR:MASTER_PORT
     try:  # destroy also when training raises (gloo's threads outlive it all the same: see os._exit below)
         train(args, rank, world_size)

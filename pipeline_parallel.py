@@ -11,6 +11,7 @@ checked against one process, then torch.distributed.pipelining's schedule, then 
 """
 import argparse
 import copy
+import importlib.util
 import os
 import time
 
@@ -140,7 +141,7 @@ def plot(timelines: list[list], path: str, title: str) -> None:
     figure, axes = plt.subplots(figsize=(10, 0.6 * len(timelines) + 1))
     for rank, timeline in enumerate(timelines):
         for kind, s, e in timeline:
-            axes.broken_barh([(1e3 * (s - start), 1e3 * (e - s))], (rank - 0.4, 0.8),
+            axes.broken_barh([(1e3 * (s - start), 1e3 * (e - s))], (rank - 0.4, 0.8), edgecolor="white",
                              color="tab:blue" if kind == "F" else "tab:orange")
     axes.set(yticks=range(len(timelines)), yticklabels=[f"stage {r}" for r in range(len(timelines))],
              xlabel="ms (blue: forward, orange: backward, blank: waiting)", title=title)
@@ -165,8 +166,12 @@ def parse_args() -> argparse.Namespace:
         if not 0 < getattr(args, name) < 1e5:  # also refuses nan
             parser.error(f"--{name} must be above 0 and below 1e5, got {getattr(args, name)}")
     if args.batch_size % args.micro_batches or args.n_embd % args.n_head:
-        parser.error(f"--micro_batches {args.micro_batches} must divide --batch_size {args.batch_size}, and "
-                     f"--n_head {args.n_head} --n_embd {args.n_embd}")
+        parser.error(f"--micro_batches {args.micro_batches} must divide --batch_size {args.batch_size}"
+                     if args.batch_size % args.micro_batches else f"--n_head {args.n_head} must divide --n_embd")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # the optional extra
+        parser.error("--plot needs matplotlib: pip install -r requirements-plot.txt")
+    if args.steps < 0 or args.plot and args.steps == 0:
+        parser.error(f"--steps must be 0 or more (1 or more with --plot), got {args.steps}")
     return args
 
 

@@ -14,7 +14,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.distributed.tensor.parallel as tp  # imports torch.distributed.nn: before the group, as it must be
+import torch.distributed.tensor.parallel as tp  # also imports torch.distributed.nn before the group: see fsdp2.py
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -95,7 +95,7 @@ def tensor_parallel(model: GPT, sequence_parallel: bool = False) -> GPT:
             region.register_forward_pre_hook(lambda region, args: Conjugate.apply(args[0], *ENTRY[sequence_parallel]))
         whole_on_slices = [*block.ln_1.parameters(), *block.ln_2.parameters(), block.attn.o.bias, block.mlp.proj.bias]
         for p in whole_on_slices if sequence_parallel else []:  # used on this rank's slice: a part of the gradient
-            p.register_post_accumulate_grad_hook(lambda p: dist.all_reduce(p.grad))  # the sum: the whole gradient
+            p.register_hook(all_reduce)  # this backward's part summed over the ranks, before .grad adds it up
     if sequence_parallel:  # the blocks see one slice of the sequence; the output layer all of it
         model.blocks[0].register_forward_pre_hook(lambda block, args: Conjugate.apply(args[0], split, all_gather))
         model.blocks[-1].register_forward_hook(lambda block, args, out: Conjugate.apply(out, all_gather, split))
@@ -126,11 +126,8 @@ def loss_of(model: GPT, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 def collectives(comm: CommDebugMode) -> dict[str, int]:  # c10d's ops (by hand), functional ones (DTensor's)
-    counts = {}
-    for op, n in comm.get_comm_counts().items():  # ... under one name each
-        name = next(name for key, name in KINDS if key in str(op))
-        counts[name] = counts.get(name, 0) + n
-    return dict(sorted(counts.items()))
+    named = [(next(name for key, name in KINDS if key in str(op)), n) for op, n in comm.get_comm_counts().items()]
+    return {name: sum(n for other, n in named if other == name) for name in sorted({name for name, _ in named})}
 
 
 def check_step(layout: str, model: GPT, reference: GPT, tokens: torch.Tensor, rank: int, world_size: int) -> tuple:
@@ -165,6 +162,8 @@ def parse_args() -> argparse.Namespace:
     for name in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size"):
         if not 0 < getattr(args, name) < 1e5:  # also refuses nan
             parser.error(f"--{name} must be above 0 and below 1e5, got {getattr(args, name)}")
+    if args.n_embd % args.n_head:
+        parser.error(f"--n_head {args.n_head} must divide --n_embd {args.n_embd}")
     return args
 
 
@@ -185,9 +184,9 @@ def main() -> None:
     if "RANK" not in os.environ:  # torchrun sets these in every process
         raise SystemExit("error: start this script with torchrun --standalone --nproc-per-node 2 tensor_parallel.py")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if args.n_embd % args.n_head or args.n_head % world_size or args.sequence_parallel and args.seq_len % world_size:
-        raise SystemExit(f"error: {world_size} ranks must divide --n_head {args.n_head} (and --seq_len {args.seq_len} "
-                         f"with --sequence_parallel), and --n_head must divide --n_embd {args.n_embd}")
+    if args.n_head % world_size or args.sequence_parallel and args.seq_len % world_size:
+        raise SystemExit(f"error: {world_size} ranks must divide --n_head {args.n_head}"
+                         + (f" and --seq_len {args.seq_len}" if args.sequence_parallel else ""))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)  # env://: meets at MASTER_ADDR:MASTER_PORT
     try:  # destroy also when training raises (gloo's threads outlive it all the same: see os._exit below)
         check(args, rank, world_size)

@@ -30,6 +30,12 @@ def saved_floats(block: torch.nn.Module, batch: int, seq: int, d: int) -> float:
     return sum(storages.values()) / (batch * seq * d * 4)
 
 
+def part(whole: torch.Tensor, local: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """The part of a whole tensor that a rank holds: all of it, or its chunk along the dimension that differs."""
+    dims = [d for d in range(whole.dim()) if whole.shape[d] != local.shape[d]]
+    return whole.chunk(world_size, dims[0])[rank] if dims else whole
+
+
 def every_layout(rank: int, world_size: int) -> dict:
     """Each layout's (error, collectives, floats held) and a broken one's error, in one process group."""
     n_head, n_embd, seq_len = SIZES[world_size]
@@ -45,6 +51,11 @@ def every_layout(rank: int, world_size: int) -> dict:
         error, counts = tensor_parallel.check_step(how, model, reference, tokens, rank, world_size)
         held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
         results[how, sp] = error, counts, held
+    for sp in (False, True):  # a second backward without zero_grad: every gradient twice one process's
+        tensor_parallel.loss_of(models["by hand", sp], tokens)[0].backward()
+        whole = dict(reference.named_parameters())
+        results["accumulated", sp] = max((p.grad - 2 * part(whole[name].grad, p.grad, rank, world_size)).abs().max()
+                                         for name, p in models["by hand", sp].named_parameters()).item()
     for sp in (False, True):  # activations saved for backward by the first block, in floats per s·b·h
         results["saved", sp] = saved_floats(models["by hand", sp].blocks[0], BATCH, seq_len, n_embd)  # SP: it splits
     results["saved", None] = saved_floats(reference.blocks[0], BATCH, seq_len, n_embd)
@@ -101,7 +112,7 @@ def test_each_rank_holds_the_replicated_parameters_and_its_share_of_the_split_on
     split = LAYERS * (12 * d * d + 7 * d)
     for result in layouts[world_size]:
         for layout, value in result.items():
-            if layout != "broken" and layout[0] != "saved":
+            if layout != "broken" and layout[0] not in ("saved", "accumulated"):
                 assert value[2] == replicated + split // world_size, layout
 
 
@@ -116,6 +127,15 @@ def test_activations_kept_for_backward_shrink_as_the_playbook_s_formula_says(lay
     for result in layouts[world_size]:
         for layout, formula in ((None, 17), (False, 4 + 13 / t), (True, 2 / t + 2 + 13 / t)):
             assert result["saved", layout] == pytest.approx(formula, rel=0.1), (layout, result["saved", layout])
+
+
+@pytest.mark.parametrize("world_size", SIZES)
+def test_two_backwards_without_zero_grad_accumulate_as_one_process_s(layouts, world_size):
+    """Sequence parallel's sums of the norms' and biases' gradients take each backward's part, not .grad
+    (which under accumulation already holds the sum of earlier backwards): red with a post-accumulate hook."""
+    for result in layouts[world_size]:
+        assert result["accumulated", False] <= 2 * tensor_parallel.TOLERANCE
+        assert result["accumulated", True] <= 2 * tensor_parallel.TOLERANCE
 
 
 @pytest.mark.parametrize("world_size", SIZES)
@@ -136,8 +156,8 @@ def test_the_script_checks_itself_at_four_ranks_and_exits_cleanly():
     ([], {}, "start this script with torchrun"),
     (["--n_layer", "0"], {}, "--n_layer must be above 0"),
     ([], {"RANK": "0", "WORLD_SIZE": "3"}, "3 ranks must divide --n_head 4"),
-    (["--sequence_parallel", "--seq_len", "30"], {"RANK": "0", "WORLD_SIZE": "4"}, "(and --seq_len 30"),
-    (["--n_embd", "66"], {"RANK": "0", "WORLD_SIZE": "2"}, "--n_head must divide --n_embd 66"),
+    (["--sequence_parallel", "--seq_len", "30"], {"RANK": "0", "WORLD_SIZE": "4"}, "--n_head 4 and --seq_len 30"),
+    (["--n_embd", "66"], {"RANK": "0", "WORLD_SIZE": "2"}, "--n_head 4 must divide --n_embd 66"),
 ])
 def test_bad_input_is_one_line(argv, env, message):
     assert_one_line(*run_main("tensor_parallel.py", *argv, env=env)[::2], message)
