@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from harness import spawn
 from test_errors import assert_one_line, run_main
-from workers import train_script
+from workers import failure, train_script
 
 import expert_parallel
 
@@ -37,14 +37,8 @@ def layer_and_training(rank: int, world_size: int) -> dict:
                "x grad": (x.grad - reference_x.grad[rank]).abs().max().item(), "gradients": experts,
                "received": received, "routed": {e: int(routed[e]) for e in received}}
     results["weights"] = train_script(rank, world_size, "expert_parallel", ARGV)
-    original = expert_parallel.average_gradients
-    expert_parallel.average_gradients = lambda model, world_size: None  # shared weights never all-reduced
-    try:
-        train_script(rank, world_size, "expert_parallel", [*ARGV[:1], "0", *ARGV[2:]])
-    except SystemExit as exc:
-        results["broken"] = str(exc)
-    finally:
-        expert_parallel.average_gradients = original
+    results["broken"] = failure(lambda: train_script(rank, world_size, "expert_parallel", [*ARGV[:1], "0", *ARGV[2:]]),
+                                expert_parallel, "average_gradients", lambda model, world_size: None)  # no all-reduce
     return results
 
 

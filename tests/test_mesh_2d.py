@@ -8,6 +8,7 @@ import pytest
 import torch
 from harness import spawn
 from test_errors import assert_one_line, run_main
+from workers import failure
 
 import mesh_2d
 from gpt.model import GPT, GPTConfig
@@ -31,13 +32,8 @@ def both(rank: int, world_size: int) -> dict:
     def without_gradient_sync(model, mesh):  # FSDP2 skips its reduce-scatter of the gradients down the column
         original(model, mesh).set_requires_gradient_sync(False)
         return model
-    mesh_2d.parallelize = without_gradient_sync
-    try:
-        train(rank, world_size, ["--steps", "2"])
-    except SystemExit as exc:
-        results["broken"] = str(exc)
-    finally:
-        mesh_2d.parallelize = original
+    results["broken"] = failure(lambda: train(rank, world_size, ["--steps", "2"]), mesh_2d, "parallelize",
+                                without_gradient_sync)
     return results
 
 

@@ -1,5 +1,7 @@
 """Functions that tests/harness.spawn runs on every rank (its workers receive them by name, pickled)."""
 import sys
+from collections.abc import Callable
+from unittest import mock
 
 import torch
 
@@ -47,3 +49,14 @@ def train_scripts(rank: int, world_size: int, runs: list[tuple[str, list[str]]])
     """train_script for each (script, argv) in turn, in one process group: one start-up for several
     runs. Each run's output follows the previous one's on this rank's stdout."""
     return [train_script(rank, world_size, script, argv) for script, argv in runs]
+
+
+def failure(run: Callable[[], object], module: object, name: str, replacement: object) -> str | None:
+    """run() with module.name replaced by something broken: the message of the SystemExit with which the
+    script fails its own check, or None where this rank passed it."""
+    with mock.patch.object(module, name, replacement):
+        try:
+            run()
+        except SystemExit as exc:
+            return str(exc)
+    return None
