@@ -163,7 +163,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> GPT:
         reference_loss = one_process_step(reference, tokens, world_size, args.aux_weight)
         if step == 0:  # the check: every gradient this rank holds against the one of the same name
             whole = dict(reference.named_parameters())
-            error = max((p.grad - whole[name].grad).abs().max().item() for name, p in model.named_parameters())
+            error = torch.stack([(p.grad - whole[name].grad).abs().max() for name, p in model.named_parameters()]).max()
             moe = [block.mlp for block in model.blocks]
             print(f"[rank {rank}/{world_size}] experts {sorted(moe[0].received)}: tokens received per block "
                   f"{[m.received for m in moe]} | dropped {sum(m.dropped for m in moe)} of "
@@ -175,7 +175,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> GPT:
         dist.all_reduce(loss := loss.detach(), op=dist.ReduceOp.AVG)  # every rank: the mean of the ranks' losses
         if rank == 0 and step:
             print(f"step {step} | loss {loss.item():.6f} (one process: {reference_loss:.6f})", flush=True)
-    if error > TOLERANCE:
+    if not error <= TOLERANCE:  # not >: a NaN passes no comparison
         raise SystemExit(f"error: rank {rank} differs from one process by {error:.1e} (tolerance {TOLERANCE:.0e})")
     return model
 

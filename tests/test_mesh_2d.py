@@ -90,6 +90,7 @@ def test_one_row_of_four_trains_too(run):
     ([], {}, "start this script with torchrun"),
     (["--tp", "3"], {"RANK": "0", "WORLD_SIZE": "4"}, "--tp 3 must divide the 4 ranks"),
     (["--steps", "0"], {}, "--steps must be above 0"),
+    (["--steps", "100"], {}, "--steps 100: at most 10"),
 ])
 def test_bad_input_is_one_line(argv, env, message):
     assert_one_line(*run_main("mesh_2d.py", *argv, env=env)[::2], message)
