@@ -46,7 +46,9 @@ def scores(q: torch.Tensor, k: torch.Tensor, diagonal: bool) -> torch.Tensor:
 def ring_pass(tensors: list[torch.Tensor]) -> tuple[list[dist.Work], list[torch.Tensor]]:
     """Start sending these to the next rank and receiving the previous rank's into new buffers."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    received = [torch.empty_like(t) for t in tensors]
+    if world_size == 1:  # the ring is this rank alone
+        return [], list(tensors)
+    received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     ops = [dist.P2POp(dist.isend, t.contiguous(), (rank + 1) % world_size) for t in tensors]
     ops += [dist.P2POp(dist.irecv, t, (rank - 1) % world_size) for t in received]
     return dist.batch_isend_irecv(ops), received
@@ -59,7 +61,8 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[list[int]]) -> torch.Tensor:
         rank, world_size, size = dist.get_rank(), dist.get_world_size(), q.shape[2] // len(starts[0])
-        out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"))
+        q, k, v = (t.contiguous() for t in (q, k, v))  # e.g. gpt/model.py's, transposed: sent and received whole
+        out, lse = torch.zeros_like(q), torch.full_like(q[..., 0], float("-inf"))  # lse: (batch, heads, seq)
         qs, held = q.split(size, dim=2), [k, v]
         for step in range(world_size):
             if step < world_size - 1:  # the next block travels while this one is computed
@@ -146,9 +149,10 @@ def check(args: argparse.Namespace, rank: int, world_size: int) -> float:
         compared = [(out, mine(F.scaled_dot_product_attention(q, k, v, is_causal=True)))]
         compared += [(t.grad, mine(whole.grad)) for t, whole in zip(local, (q, k, v), strict=True)]
         error = torch.stack([(a[:, :, real] - b[:, :, real]).abs().max() for a, b in compared]).max().item()
+    works = [work(rank, world_size, -(-args.seq_len // n) * n, n > world_size) for n in (world_size, 2 * world_size)]
     print(f"[rank {rank}/{world_size}] {'zigzag' if args.zigzag else 'contiguous'}, chunks at {starts[rank]}: out, "
-          f"dq, dk, dv {error:.1e} from one process's | scores computed: {work(rank, world_size, padded, False):,} "
-          f"contiguous, {work(rank, world_size, padded, True):,} zigzag\n", end="", flush=True)
+          f"dq, dk, dv {error:.1e} from one process's | scores computed: {works[0]:,} contiguous, {works[1]:,} "
+          "zigzag\n", end="", flush=True)
     if not error <= TOLERANCE:  # not >: a NaN passes no comparison
         raise SystemExit(f"error: rank {rank} differs from one process by {error:.1e} (tolerance {TOLERANCE:.0e})")
     return error
@@ -160,9 +164,10 @@ def main() -> None:
         raise SystemExit("error: start this script with torchrun --standalone --nproc-per-node 4 context_parallel.py")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     chunks = 2 * world_size if args.zigzag else world_size
-    if args.seq_len < chunks:
-        raise SystemExit(f"error: --seq_len {args.seq_len} is shorter than the {chunks} chunks of {world_size} ranks"
-                         + (" with --zigzag" if args.zigzag else ""))
+    padded = -(-args.seq_len // chunks) * chunks
+    if max(min(chunk_starts(r, world_size, padded, args.zigzag)) for r in range(world_size)) >= args.seq_len:
+        raise SystemExit(f"error: --seq_len {args.seq_len} is too short for the {chunks} chunks of {world_size} ranks"
+                         + (" with --zigzag" if args.zigzag else "") + ": a rank would hold padding only")
     dist.init_process_group("gloo", rank=rank, world_size=world_size)  # env://: meets at MASTER_ADDR:MASTER_PORT
     try:  # destroy also when the check fails
         check(args, rank, world_size)

@@ -5,6 +5,7 @@ import sys
 from unittest import mock
 
 import pytest
+import torch
 from harness import spawn
 from test_errors import assert_one_line, run_main
 from workers import failure
@@ -27,9 +28,14 @@ def every_layout(rank: int, world_size: int) -> dict:
         return original(tensors)
     sys.argv = ["context_parallel.py"]
     args = context_parallel.parse_args()
+    starts = [context_parallel.chunk_starts(r, world_size, 4 * world_size, False) for r in range(world_size)]
     with mock.patch.object(context_parallel, "ring_pass", counted):
         context_parallel.check(args, rank, world_size)
     results["sent"] = sent
+    q, k, v = (torch.randn(2, 3, 4, 5, generator=torch.Generator().manual_seed(i)) for i in range(3))  # 4 tokens
+    strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]  # gpt/model.py's layout
+    results["strided"] = torch.equal(context_parallel.RingAttention.apply(*strided, starts),
+                                     context_parallel.RingAttention.apply(q, k, v, starts))
     results["broken"] = failure(lambda: context_parallel.check(args, rank, world_size), context_parallel, "ring_pass",
                                 lambda tensors: ([], list(tensors)))  # every rank sees only its own keys
     return results
@@ -60,6 +66,12 @@ def test_each_rank_sends_what_the_formula_says(runs, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_queries_keys_and_values_need_not_be_contiguous(runs, world_size):
+    """As gpt/model.py's attention makes them (a view, transposed): the same output as contiguous ones."""
+    assert all(result["strided"] for result in runs[world_size])
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_a_ring_that_passes_nothing_is_caught(runs, world_size):
     """Rank 0 holds the first chunk, which needs no other rank's keys: the others must fail."""
     assert all("differs from one process" in result["broken"] for result in runs[world_size][1:])
@@ -77,7 +89,8 @@ def test_zigzag_gives_every_rank_the_same_work_and_contiguous_chunks_do_not(worl
 
 @pytest.mark.parametrize("argv, env, message", [
     ([], {}, "start this script with torchrun"),
-    (["--seq_len", "7", "--zigzag"], {"RANK": "0", "WORLD_SIZE": "4"}, "--seq_len 7 is shorter than the 8 chunks"),
+    (["--seq_len", "3", "--zigzag"], {"RANK": "0", "WORLD_SIZE": "4"}, "--seq_len 3 is too short for the 8 chunks"),
+    (["--seq_len", "9"], {"RANK": "0", "WORLD_SIZE": "4"}, "a rank would hold padding only"),  # 3 chunks of 3 hold all
     (["--head_dim", "0"], {}, "--head_dim must be above 0"),
 ])
 def test_bad_input_is_one_line(argv, env, message):
