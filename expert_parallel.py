@@ -1,10 +1,9 @@
 """Expert parallel by hand: a top-k routed mixture of experts in gpt/model.py's blocks, the experts spread over ranks.
 
-docs/expert_parallel.md. Each rank trains on its own part of the batch (data parallel) but holds only n_experts / N
-of each block's experts. A router picks k experts per token; each expert takes at most a capacity of tokens per
-rank, the rest are dropped (the residual carries them). Tokens go to their experts' ranks and come back with
-all_to_all_single, after the counts are exchanged. A load-balancing loss keeps the router from favouring few.
-One step is checked against the same model in one process, which runs each rank's part alone, then it trains.
+docs/expert_parallel.md. Each rank trains on its own part of the batch (data parallel) but holds n_experts / N of
+each block's experts. A router picks k experts per token; an expert takes at most a capacity of tokens per rank,
+the rest are dropped. Tokens go to their experts' ranks and back with all_to_all_single, after the counts; a
+load-balancing loss keeps the router from favouring few. One step is checked against one process, then it trains.
 
     torchrun --standalone --nproc-per-node 2 expert_parallel.py
     torchrun --standalone --nproc-per-node 4 expert_parallel.py --n_experts 8 --top_k 2 --capacity_factor 1.0
@@ -26,8 +25,7 @@ VOCAB_SIZE = 96  # token ids drawn at random below it
 
 
 class AllToAll(torch.autograd.Function):
-    """all_to_all_single: `counts_in[r]` rows of x go to rank r, `counts_out[r]` rows come from it. Backward: the
-    gradients go back the way the rows came."""
+    """all_to_all_single: counts_in[r] rows of x to rank r, counts_out[r] from it; gradients go back the same way."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, counts_out: list[int], counts_in: list[int]) -> torch.Tensor:
@@ -55,7 +53,7 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])  # (T, d)
         probs = self.router(tokens).softmax(-1)  # (T, E)
         weights, experts = probs.topk(self.top_k, dim=-1)  # (T, k): each token's k experts
-        weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights / weights.sum(-1, keepdim=True) if self.top_k > 1 else weights  # k = 1: w/w would be 1
         # Assignments, first choices before second ones: a token's second choice is the first to be dropped
         expert, weight = experts.t().reshape(-1), weights.t().reshape(-1)  # (k·T)
         token = torch.arange(len(tokens)).repeat(self.top_k)
@@ -103,8 +101,7 @@ def build(args: argparse.Namespace, world_size: int, rank: int) -> GPT:
 
 
 def loss_of(model: GPT, tokens: torch.Tensor, aux_weight: float) -> torch.Tensor:
-    logits = model(tokens[:, :-1])
-    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())  # next token, and balance
     return loss + aux_weight * sum(block.mlp.aux_loss for block in model.blocks)
 
 
@@ -145,8 +142,12 @@ def parse_args() -> argparse.Namespace:
                  "lr"):
         if not 0 < getattr(args, name) < 1e5:  # also refuses nan
             parser.error(f"--{name} must be above 0 and below 1e5, got {getattr(args, name)}")
-    if args.top_k > args.n_experts or args.n_embd % args.n_head or not 0 <= args.aux_weight < 1e5:
-        parser.error("--top_k must be at most --n_experts, --n_head must divide --n_embd, --aux_weight at least 0")
+    for wrong, message in ((args.top_k > args.n_experts, "--top_k must be at most --n_experts"),
+                           (args.n_embd % args.n_head, "--n_head must divide --n_embd"),
+                           (not (0 <= args.aux_weight < 1e5 and 0 <= args.steps < 1e5), "--aux_weight and --steps "
+                            "must be 0 or more, below 1e5")):
+        if wrong:
+            parser.error(message)
     return args
 
 

@@ -91,11 +91,46 @@ def test_without_the_shared_weights_all_reduce_the_run_fails_its_check(runs, wor
     assert all("differs from one process" in result["broken"] for result in runs[world_size])
 
 
+def one_layer(*argv: str) -> expert_parallel.MoE:
+    """A block's MoE with all its experts, in this process, built as the script builds it."""
+    sys.argv = ["expert_parallel.py", *argv]
+    return expert_parallel.build(expert_parallel.parse_args(), 1, 0).blocks[0].mlp
+
+
+def test_capacity_keeps_first_choices_before_second_ones_and_drops_the_rest():
+    """Against a plain loop: every token's first choice in token order, then the second choices, each kept while
+    its expert has room (capacity ceil(0.5 × 32 tokens × 2 / 4) = 8); the output sums the kept choices'."""
+    moe = one_layer("--capacity_factor", "0.5", "--n_experts", "4")
+    tokens = torch.randn(32, moe.router.in_features, generator=torch.Generator().manual_seed(5))
+    out = moe(tokens.view(4, 8, -1)).detach().view(32, -1)
+    weights, experts = moe.router(tokens).softmax(-1).topk(2, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    load, expected, dropped = [0] * 4, torch.zeros_like(tokens), 0
+    for choice in range(2):
+        for t in range(len(tokens)):
+            e = int(experts[t, choice])
+            if load[e] < 8:
+                load[e] += 1
+                expected[t] += weights[t, choice] * moe.experts[str(e)](tokens[t])
+            else:
+                dropped += 1
+    assert moe.dropped == dropped > 0 and moe.routed.tolist() == load
+    assert torch.allclose(out, expected.detach(), atol=1e-6)
+
+
+def test_with_one_expert_per_token_the_router_still_learns_from_the_loss():
+    """Top-1: the gate's raw probability scales the expert's output (renormalised, it would be 1, and constant)."""
+    moe = one_layer("--top_k", "1", "--aux_weight", "0")
+    moe(torch.randn(2, 8, moe.router.in_features, generator=torch.Generator().manual_seed(6))).square().sum().backward()
+    assert moe.router.weight.grad.abs().max() > 1e-4
+
+
 @pytest.mark.parametrize("argv, env, message", [
     ([], {}, "start this script with torchrun"),
     (["--n_experts", "6"], {"RANK": "0", "WORLD_SIZE": "4"}, "4 ranks must divide --n_experts 6"),
     (["--top_k", "5"], {}, "--top_k must be at most --n_experts"),
     (["--capacity_factor", "0"], {}, "--capacity_factor must be above 0"),
+    (["--steps", "-1"], {}, "--aux_weight and --steps must be 0 or more"),
 ])
 def test_bad_input_is_one_line(argv, env, message):
     assert_one_line(*run_main("expert_parallel.py", *argv, env=env)[::2], message)
