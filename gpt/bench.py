@@ -62,13 +62,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per world size")
     parser.add_argument("--save_every", type=int, help="also run each world size with checkpoints this often, and "
                                                         "print what the saves cost")
-    parser.add_argument("--resume", action="store_true", help="also compare a run resumed at step 60 with the same "
-                                                              "steps of a fresh run")
+    parser.add_argument("--resume", action="store_true", help="also compare a run resumed at its --max_steps (60) "
+                                                              "with the same steps of a fresh run")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: train.py's own arguments")
     args = parser.parse_args()
     if any(n < 1 for n in args.world_sizes) or args.repeats < 1 or (args.save_every or 1) < 1:
         parser.error("--world_sizes, --repeats and --save_every must be at least 1")
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    steps = argparse.ArgumentParser(add_help=False)
+    steps.add_argument("--max_steps", type=int)  # train.py's, as it reads them: the last one given wins
+    steps = steps.parse_known_args([*DEFAULTS, *train_args])[0].max_steps
     cores = os.cpu_count() or 1
     print(f"machine: {machine()}")
     print(f"train.py {' '.join(DEFAULTS + train_args)}")
@@ -91,15 +94,16 @@ def main() -> None:
             print(f"{'':>5} saving every {args.save_every} steps: {statistics.median(s for _, s in pairs):,.0f} "
                   f"tokens/s against {statistics.median(p for p, _ in pairs):,.0f} in the runs beside them, "
                   f"{statistics.median(costs):.1%} slower (min {costs[0]:.1%}, max {costs[-1]:.1%})", flush=True)
-        if args.resume:  # steps 61 to 120 after a resume from step 60, and in a run that never stopped
+        if args.resume:  # steps s + 1 to 2s after a resume from step s, and in a run that never stopped
             pairs = []
             for _ in range(args.repeats):
                 with tempfile.TemporaryDirectory() as out_dir:
-                    run(world_size, [*train_args, "--max_steps", "60"], threads, out_dir)
-                    resumed = run(world_size, [*train_args, "--max_steps", "120"], threads, out_dir, after=60)
-                fresh = run(world_size, [*train_args, "--max_steps", "120"], threads, after=60)
+                    run(world_size, train_args, threads, out_dir)
+                    resumed = run(world_size, [*train_args, "--max_steps", str(2 * steps)], threads, out_dir,
+                                  after=steps)
+                fresh = run(world_size, [*train_args, "--max_steps", str(2 * steps)], threads, after=steps)
                 pairs.append((statistics.median(resumed), statistics.median(fresh)))
-            print(f"{'':>5} resumed at step 60: {statistics.median(r for r, _ in pairs):,.0f} tokens/s against "
+            print(f"{'':>5} resumed at step {steps}: {statistics.median(r for r, _ in pairs):,.0f} tokens/s against "
                   f"{statistics.median(f for _, f in pairs):,.0f} for the same steps of a fresh run", flush=True)
 
 

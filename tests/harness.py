@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -59,15 +60,20 @@ def _worker(fn: Callable, rank: int, world_size: int, folder: str, timeout: floa
         "gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world_size,
         timeout=timedelta(seconds=timeout),
     )
+    code = 0
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(folder, f"result{rank}.pt"))
         dist.barrier()  # no rank tears its connections down while a peer still uses them
+    except Exception:  # (a SystemExit goes on to multiprocessing, which exits with its code)
+        traceback.print_exc()  # what multiprocessing would print, before the same exit code
+        code = 1
     finally:
         dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # skips the interpreter's teardown of torch: a second of CPU per worker
+    os._exit(code)  # skips the interpreter's teardown of torch: a second of CPU per worker, and where a rank
+    # failed, a teardown that can wait on what the failed collectives left (DDP's reducer, gloo's threads)
 
 
 def _read(folder: str, name: str) -> str:
