@@ -26,6 +26,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 MANIFEST = "manifest.json"
 NAME = re.compile(r"^step_(\d{8})$")
@@ -66,7 +67,7 @@ class Checkpoints:
         # waits that may outlast a training collective: gloo honours this timeout, nccl's barrier would not
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
-        self.pending: Future | None = None
+        self.pending: tuple[Future, int] | None = None  # (the commit in flight, its step)
         self.lock_fd: int | None = None
 
     # -- the lock --------------------------------------------------------------------------------
@@ -105,7 +106,7 @@ class Checkpoints:
         self.wait()
         folder = os.path.join(self.out_dir, f"step_{step:08d}")
         future = dcp.async_save(state, checkpoint_id=folder + ".tmp", process_group=self.group)
-        self.pending = self.executor.submit(self._commit, future, folder, {"step": step, **extra})
+        self.pending = self.executor.submit(self._commit, future, folder, {"step": step, **extra}), step
 
     def _commit(self, future: Future, folder: str, extra: dict) -> None:
         """In the background: once every rank's shard is written, each hashes its own files, rank 0
@@ -129,10 +130,16 @@ class Checkpoints:
         dist.barrier(group=self.group)
 
     def wait(self) -> None:
-        """Until the save in flight is committed (its errors raise here)."""
+        """Until the save in flight is committed. Its failure (a full disk, a folder gone) raises here,
+        as one line: every checkpoint before it is whole, and its .tmp folder goes at the next start."""
         if self.pending is not None:
-            pending, self.pending = self.pending, None
-            pending.result()
+            (pending, step), self.pending = self.pending, None
+            try:
+                pending.result()
+            except (Exception, CheckpointException) as error:  # DCP's is a BaseException, its ranks' errors inside
+                cause = next(iter(error.failures.values()))[0] if isinstance(error, CheckpointException) else error
+                raise ValueError(f"the checkpoint of step {step} could not be saved ({type(cause).__name__}: "
+                                 f"{cause}); the ones before it are whole") from error
 
     # -- loading ---------------------------------------------------------------------------------
 

@@ -11,12 +11,17 @@ and the tests show it. Every --log_every steps rank 0 prints one line and append
 OUT_DIR/metrics.jsonl; every --eval_every steps every rank evaluates its share of a fixed
 validation set. The whole story, and how to run it on 8 GPUs or several nodes: docs/gpt_job.md.
 """
+import os
+
+# This process's launcher, before anything else runs: torch's imports take about 1.5 s, and a torchrun
+# that died in them would go unseen (setup() compares this with the parent after its request).
+PARENT_AT_START = os.getppid()
+
 import argparse
 import contextlib
 import ctypes
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -41,8 +46,6 @@ import data
 from checkpoint import Checkpoints
 from model import CONFIGS, GPT, GPTConfig, export
 
-# This process's launcher, as soon as this file runs (after the imports, about 1.5 s in): see setup().
-PARENT_AT_START = os.getppid()
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # What a checkpoint records of the run that wrote it; a resume with other values says so in one line.
 RUN = ("data", "max_steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "seed", "batch_size",
@@ -90,11 +93,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
     for name in ("lr", "timeout", "peak_tflops"):
-        if getattr(args, name) is not None and not getattr(args, name) > 0:
-            p.error(f"--{name} must be above 0")
+        if getattr(args, name) is not None and not 0 < getattr(args, name) < math.inf:  # also refuses nan
+            p.error(f"--{name} must be above 0 and finite")
     for name in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "seed", "save_every"):
-        if getattr(args, name) is not None and getattr(args, name) < 0:
-            p.error(f"--{name} must not be negative")
+        if getattr(args, name) is not None and not 0 <= getattr(args, name) < math.inf:
+            p.error(f"--{name} must not be negative, nan or infinite")
+    for name in ("lr", "min_lr"):  # Adam's first step divides lr by 1 - 0.9: above float32's range, a traceback
+        if getattr(args, name) is not None and not getattr(args, name) < 1e7:
+            p.error(f"--{name} must be below 1e7")
+    if args.seed >= 2**64:
+        p.error("--seed must be below 2**64 (torch.manual_seed's range)")
     if args.vocab_size is not None and args.data == "synthetic":
         p.error(f"--vocab_size is for files; the synthetic data has {data.SYNTHETIC_VOCAB} tokens")
     if args.shard_size is not None and (args.parallel != "hsdp" or args.shard_size < 1):
@@ -224,6 +232,15 @@ def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     return norm.full_tensor() if isinstance(norm, DTensor) else norm  # sharded: the sum of every shard's
 
 
+def weights_are_finite(model: torch.nn.Module) -> bool:
+    """Whether every rank's weights (its shards, under FSDP) are finite: one all-reduce. A finite loss
+    and gradient can still step the weights to inf or nan (a huge lr, a nan weight decay)."""
+    flag = torch.stack([torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()
+                        for p in model.parameters()]).all().to(torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, tokens: data.Tokens, starts, args: argparse.Namespace, rank: int,
              world_size: int, device: torch.device, autocast) -> float:
@@ -299,8 +316,9 @@ def check_input(args: argparse.Namespace, tokens: data.Tokens, rank: int, world_
 
 class StopRequest:
     """SIGTERM (a preemption: Slurm and Kubernetes send it first, and torchrun passes it on to its
-    workers, then kills them 30 s later) or SIGINT, noted by a handler and agreed by every rank at a
-    step boundary, so that all stop after the same step and save it. A worker often gets the signal
+    workers, then kills them 30 s later), SIGINT or SIGHUP (a closed terminal or ssh session; torchrun
+    passes it on too), noted by a handler and agreed by every rank at a step boundary, so that all
+    stop after the same step and save it. A worker often gets the signal
     twice (from Slurm and from torchrun; Linux's parent-death signal once per re-parenting): the
     second changes nothing. `kill -9` is the way to stop without saving."""
 
@@ -309,7 +327,8 @@ class StopRequest:
         # A CPU flag: no device sync; not the checkpoint thread's group. new_group's timeout is not the world
         # group's but the backend's default (30 minutes for gloo): a vanished host would stall the job that long.
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout) if timeout else None)
-        self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGTERM, signal.SIGINT,
+                                                                                 signal.SIGHUP)}
 
     def handle(self, signum: int, frame) -> None:
         self.signal = self.signal or signum
@@ -350,7 +369,8 @@ def resume(args: argparse.Namespace, checkpoints: Checkpoints, model: torch.nn.M
     """Load the newest whole checkpoint in OUT_DIR, if there is one; return the step to start from.
 
     Any world size or --parallel resumes (DCP reshards); another model config is refused. A changed
-    schedule, --max_steps or seed is the user's choice: said in one line. The optimizer's state is
+    schedule, --max_steps, seed or weight decay is the user's choice: said in one line, and applied (the
+    optimizer's settings are this run's, its moments the checkpoint's). The optimizer's state is
     created where a fresh run creates it (get_state_dict takes one step of zero gradients at lr 0:
     moments beside the parameters, `step` on the CPU unless fused) and the saved values are copied in:
     never Adam's `step` moved to the GPU, where every later step would sync on it (pytorch#128208)."""
@@ -366,7 +386,12 @@ def resume(args: argparse.Namespace, checkpoints: Checkpoints, model: torch.nn.M
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     checkpoints.load(folder, state)
+    own = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for group, settings in zip(optimizer.param_groups, own, strict=True):
+        # load_state_dict brings back the saved groups' settings too: a changed --weight_decay would be
+        # said below and not applied, and a CPU checkpoint resumed on a GPU would run unfused
+        group.update(settings)
     if manifest["scaler"]:
         scaler.load_state_dict(manifest["scaler"])
     if rank == 0:
@@ -484,12 +509,14 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
                 elapsed = time.perf_counter() - started
                 tokens_per_s = steps_since_log * global_batch * args.seq_len / elapsed
                 # fp16: an infinite gradient is the scaler's to handle (it skips the step, lowers the scale)
-                if not (math.isfinite(loss) and (scaler.is_enabled() or math.isfinite(grad_norm.item()))):
-                    # The same all-reduced loss and global norm on every rank: all stop here, and
-                    # nothing is saved over the last good checkpoint.
+                if not (math.isfinite(loss) and (scaler.is_enabled() or math.isfinite(grad_norm.item()))
+                        and (not saving or weights_are_finite(model))):
+                    # The same all-reduced loss, global norm and weights' verdict on every rank: all stop
+                    # here, and nothing is saved over the last good checkpoint.
+                    checkpoints.wait()  # the save in flight is committed (or fails) first: `last` is the newest
                     last = checkpoints.committed()
-                    raise ValueError(f"the loss ({loss}) or the gradient's norm ({grad_norm.item()}) is not finite "
-                                     f"at step {step + 1}: stopped without saving"
+                    raise ValueError(f"the loss ({loss}), the gradient's norm ({grad_norm.item()}) or the weights "
+                                     f"are not finite at step {step + 1}: stopped without saving"
                                      + (f"; the last checkpoint, {last[-1]}, is untouched" if last else ""))
                 record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
                           "tokens_per_s": tokens_per_s}

@@ -7,8 +7,10 @@ torchrun's variables, the same code path as `torchrun --standalone --nproc-per-n
 import functools
 import json
 import math
+import os
 import re
 import shlex
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -17,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from docs_blocks import rerun, succeeded
-from harness import torchrun_in_process
+from harness import spawn, torchrun_in_process
 from launch import REPO, run
 
 sys.path.insert(0, str(REPO))  # gpt.model and gpt.data, which import nothing of the project
@@ -223,6 +225,39 @@ def test_bad_input_gets_one_line_and_a_non_zero_exit(argv, error, text_file):
     assert result.codes[0] != 0 and error.format(**names) in result.stderr, result.stderr
     said = [line for line in result.stderr.splitlines() if not line.startswith(("usage:", " "))]  # argparse's usage
     assert len(said) == 1 and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["--weight_decay", "nan"], "--weight_decay must not be negative, nan or infinite"),
+    (["--grad_clip", "inf"], "--grad_clip must not be negative, nan or infinite"),
+    (["--timeout", "inf"], "--timeout must be above 0 and finite"),
+    (["--lr", "1e30"], "--lr must be below 1e7"),
+    (["--seed", str(2**64)], "--seed must be below 2**64"),
+])
+def test_values_that_would_fail_later_with_a_traceback_are_refused_by_the_parser(argv, error, capsys):
+    """nan passes `< 0` checks; an lr past float32's range fails in Adam's first step; a seed of 2**64
+    in torch.manual_seed; a timeout of inf in timedelta: each one line from argparse now."""
+    with pytest.raises(SystemExit) as stopped:
+        import_gpt_train().parse_args(argv)
+    assert stopped.value.code == 2 and error in capsys.readouterr().err
+
+
+def hang_up(rank: int, world_size: int) -> tuple:
+    """A StopRequest of a group of one, before and after a SIGHUP to this process."""
+    stop = import_gpt_train().StopRequest(None)
+    try:
+        before = stop.agreed()
+        os.kill(os.getpid(), signal.SIGHUP)
+        return before, stop.agreed(), stop.name
+    finally:
+        stop.restore()
+
+
+def test_a_sighup_stops_the_run_as_sigterm_does():
+    """A closed terminal or ssh session sends SIGHUP, and torchrun passes it on to its workers: it is a
+    stop request (the run saves the step in flight), not the default death without a save."""
+    results, _ = spawn(hang_up, 1, timeout=60)
+    assert results[0] == (False, True, "SIGHUP")
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])

@@ -165,13 +165,16 @@ def snapshot(folder: Path) -> dict[str, bytes]:
     ("step as text", "checkpoint out/step_00000024: its manifest.json cannot be read (ValueError: its field 'step'"),
     ("model", "checkpoint out/step_00000024 is of another model"),
     ("lock", "out is in use by another job (it holds out/lock)"),
-    ("nan", "is not finite at step 2?: stopped without saving; the last checkpoint, step_00000020, is untouched"),
+    ("nan", "are not finite at step 2?: stopped without saving; the last checkpoint, step_00000020, is untouched"),
+    ("inf weights", "are not finite at step 21: stopped without saving; the last checkpoint, step_00000020, is "
+                    "untouched"),
 ])
 def test_a_bad_checkpoint_or_run_is_one_line_and_loses_nothing(damage, said, uninterrupted, tmp_path):
     """Each on a copy of a finished run's OUT_DIR: one line from rank 0, every rank exits non-zero,
     and every checkpoint file is as it was. `nan`: the run resumed from step 20 with a learning
     rate that blows up within a few steps (`?` in the line stands for one character), which must
-    not be saved over step 20."""
+    not be saved over step 20; `inf weights`: a weight decay that steps the weights to inf at once, with a
+    finite loss and gradient, and a save due after that step."""
     shutil.copytree(uninterrupted[2] / "out", tmp_path / "out")
     checkpoint = tmp_path / "out" / "step_00000024"
     extra = []
@@ -194,6 +197,9 @@ def test_a_bad_checkpoint_or_run_is_one_line_and_loses_nothing(damage, said, uni
     elif damage == "nan":
         shutil.rmtree(checkpoint)
         extra = ["--lr", "1e3", "--grad_clip", "0"]
+    elif damage == "inf weights":  # step 21's loss and gradient are finite; AdamW's decay of 1 - lr × 1e300 is not
+        shutil.rmtree(checkpoint)
+        extra = ["--weight_decay", "1e300", "--save_every", "1"]
     before = snapshot(tmp_path / "out")
     holder = open(tmp_path / "out" / "lock", "w")  # noqa: SIM115
     if damage == "lock":
@@ -208,6 +214,19 @@ def test_a_bad_checkpoint_or_run_is_one_line_and_loses_nothing(damage, said, uni
     assert len(errors) == 1 and re.search(re.escape(said).replace(r"\?", "."), errors[0]), result.stderr
     assert "Traceback" not in result.stderr
     assert snapshot(tmp_path / "out") == before  # nothing saved over, nothing lost
+
+
+def test_a_save_that_fails_is_one_line_and_the_checkpoints_before_it_stay_whole(tmp_path):
+    """A full disk under rank 1 from step 8's save on: DCP's error, raised on every rank at the next
+    save, becomes one line; step 4's checkpoint is whole and nothing claims step 8."""
+    result = torchrun_in_process(2, "gpt_disk_full.py", *ARGV, *split(2), cwd=tmp_path, timeout=60)
+    assert result.codes[0] == 1 and all(result.codes), result.codes
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: the checkpoint of step 8 could not be saved (OSError: [Errno 28] No space left on "
+                      "device); the ones before it are whole"], result.stderr
+    assert "Traceback" not in result.stderr
+    assert sorted(p.name for p in (tmp_path / "out").glob("step_*")) == ["step_00000004", "step_00000008.tmp"]
+    assert (tmp_path / "out" / "step_00000004" / "manifest.json").exists()
 
 
 def test_a_file_system_without_locks_is_said_in_one_line_and_the_job_goes_on(tmp_path):
