@@ -286,7 +286,9 @@ def check_input(args: argparse.Namespace, tokens: data.Tokens, rank: int, world_
 
     Every token id must fit the vocab: an embedding fed one that does not fails with a cryptic
     device-side error, possibly hours in. The ranks scan a share of each split each, and an
-    all-reduce (max) tells all of them. Rank 0 tries --out_dir and --export, and tells the others."""
+    all-reduce (max) tells all of them. Rank 0 tries --out_dir and --export, and tells the others;
+    then every rank looks for the file rank 0 wrote there: DCP writes each rank's shard into one
+    folder, so OUT_DIR must be one that every rank shares (on several nodes, a shared file system)."""
     data.check(tokens, args.seq_len)
     if tokens.name != "synthetic":  # its ids are below its vocab by construction
         largest = torch.tensor([data.largest_id(a, rank, world_size) for a in (tokens.train, tokens.val)],
@@ -295,13 +297,13 @@ def check_input(args: argparse.Namespace, tokens: data.Tokens, rank: int, world_
         if largest.max().item() >= tokens.vocab_size:
             raise ValueError(f"--data {tokens.name}: token id {largest.max().item()} is outside the vocab of "
                              f"{tokens.vocab_size}: set --vocab_size")
-    problem = [None]
+    problem = [None, None]  # (what is wrong, the file rank 0 wrote)
     if rank == 0:
         try:
             os.makedirs(args.out_dir, exist_ok=True)
             open(os.path.join(args.out_dir, "metrics.jsonl"), "a").close()
-            open(os.path.join(args.out_dir, "metrics.jsonl.tmp"), "w").close()  # the folder takes new files
-            os.remove(os.path.join(args.out_dir, "metrics.jsonl.tmp"))
+            problem[1] = os.path.join(args.out_dir, f".probe-{os.getpid()}")  # this job's name: no other job's file
+            open(problem[1], "w").close()  # the folder takes new files
             if args.export:
                 if os.path.isdir(args.export):
                     raise IsADirectoryError(21, "is a folder", args.export)
@@ -310,8 +312,15 @@ def check_input(args: argparse.Namespace, tokens: data.Tokens, rank: int, world_
         except OSError as error:
             problem[0] = f"{error.filename}: {error.strerror}"
     dist.broadcast_object_list(problem, src=0)  # every rank stops, or none does
+    unseen = torch.tensor(0 if problem[0] or os.path.exists(problem[1]) else rank + 1, device=device)
+    dist.all_reduce(unseen, op=dist.ReduceOp.MAX)  # after it every rank has looked: rank 0 may remove the file
+    if rank == 0 and problem[1] and os.path.exists(problem[1]):
+        os.remove(problem[1])
     if problem[0]:
         raise ValueError(problem[0])
+    if unseen.item():
+        raise ValueError(f"--out_dir {args.out_dir}: rank {unseen.item() - 1} does not see the file that rank 0 "
+                         "wrote there: checkpoints need a folder that every rank shares")
 
 
 class StopRequest:

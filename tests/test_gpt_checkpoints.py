@@ -229,6 +229,17 @@ def test_a_save_that_fails_is_one_line_and_the_checkpoints_before_it_stay_whole(
     assert (tmp_path / "out" / "step_00000004" / "manifest.json").exists()
 
 
+def test_an_out_dir_that_a_rank_does_not_share_is_refused_before_any_step(tmp_path):
+    """Rank 1 on a folder of its own would write its shards where rank 0 never sees them: every
+    checkpoint would lack them. Said in one line at the start; the folder keeps no file of the check."""
+    result = torchrun_in_process(2, "gpt_private_out_dir.py", *ARGV, *split(2), cwd=tmp_path, timeout=60)
+    assert result.codes[0] == 1 and all(result.codes), result.codes
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: --out_dir out: rank 1 does not see the file that rank 0 wrote there: checkpoints "
+                      "need a folder that every rank shares"], result.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["metrics.jsonl"]
+
+
 def test_a_file_system_without_locks_is_said_in_one_line_and_the_job_goes_on(tmp_path):
     result = torchrun_in_process(2, "gpt_no_flock.py", *ARGV, *split(2), "--max_steps", "4", cwd=tmp_path,
                                  timeout=60)
