@@ -137,7 +137,7 @@ def main() -> None:
         raise SystemExit("error: start this script with torchrun --standalone --nproc-per-node 2 fsdp2.py")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world_size > min(args.train_size, args.val_size):  # each rank needs a training and a validation sample
-        raise SystemExit(f"error: {world_size} ranks but {min(args.train_size, args.val_size)} samples: each needs one")
+        raise SystemExit(f"error: {world_size} ranks: --train_size and --val_size must be at least that")
     dist.init_process_group("gloo", rank=rank, world_size=world_size)  # env://: meets at MASTER_ADDR:MASTER_PORT
     try:  # destroy also when training raises (FSDP2's gloo threads outlive it: see os._exit below)
         train(args, rank, world_size)

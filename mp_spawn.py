@@ -125,6 +125,8 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
 
 def main() -> None:
     args = parse_args()
+    if "RANK" in os.environ:  # torchrun's: it started this script N times, and each would spawn --nprocs more
+        raise SystemExit("error: mp_spawn.py starts its own processes: run it with python, not torchrun")
     if args.nprocs > args.train_size:
         raise SystemExit(f"error: {args.nprocs} ranks but {args.train_size} training samples: each needs one")
     # The store that the ranks meet at, hosted here. Port 0: the system picks a free one, where a fixed port

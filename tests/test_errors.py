@@ -60,6 +60,8 @@ MISTAKES = {
                                          "error: 5 ranks but 4 training samples: each needs one"),
     "more processes than training samples": (["mp_spawn.py", "--nprocs", "3", "--train_size", "2"], {},
                                              "error: 3 ranks but 2 training samples: each needs one"),
+    "mp_spawn.py started with torchrun": (["mp_spawn.py"], TORCHRUN, "error: mp_spawn.py starts its own processes: "
+                                                                     "run it with python, not torchrun"),
     "a typo'd option": (["singlenode_cpu.py", "--epochs", "3"], {}, "error: unrecognized arguments: --epochs 3"),
     "a batch of none": (["single_process.py", "--batch_size", "0"], {},
                         "error: --batch_size must be above 0 and below 1e7, got 0"),

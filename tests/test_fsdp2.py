@@ -182,8 +182,9 @@ def run_main(monkeypatch, capsys, argv: list[str], world_size: int | None) -> st
 
 @pytest.mark.parametrize("argv, world_size, line", [
     ([], None, "error: start this script with torchrun --standalone --nproc-per-node 2 fsdp2.py"),
-    (["--train_size", "2"], 3, "error: 3 ranks but 2 samples: each needs one"),
-    (["--val_size", "2"], 3, "error: 3 ranks but 2 samples: each needs one"),  # every forward is a collective
+    (["--train_size", "2"], 3, "error: 3 ranks: --train_size and --val_size must be at least that"),
+    # every forward is a collective: each rank needs a validation sample too
+    (["--val_size", "2"], 3, "error: 3 ranks: --train_size and --val_size must be at least that"),
     (["--batch_size", "0"], 2, "fsdp2.py: error: --batch_size must be above 0 and below 1e7, got 0"),
     (["--model", "huge"], 2, "fsdp2.py: error: argument --model: invalid choice: 'huge' (choose from 'mlp', "
                              "'linear', 'wide')"),
