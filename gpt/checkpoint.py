@@ -47,6 +47,14 @@ def remove(path: str) -> None:
         os.unlink(path)
 
 
+def reason(error: BaseException, rank: int) -> str:
+    """One line for why a save failed. DCP's CheckpointException holds every rank's error: a disk's
+    (an OSError) first, as a rank that lost its peer only says the connection closed."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (error, _) = min(error.failures.items(), key=lambda item: not isinstance(item[1][0], OSError))
+    return f"rank {rank}: {type(error).__name__}: {error}"
+
+
 def check_manifest(manifest: dict, step: int) -> None:
     """A ValueError unless the manifest has the fields and types that save() writes."""
     fields = {"step": int, "config": dict, "run": dict, "files": dict}
@@ -88,9 +96,9 @@ class Checkpoints:
                     raise
                 verdict[1] = (f"no lock on {self.out_dir}: its file system does not support flock "
                               f"({errno.errorcode[error.errno]}); make sure no other job writes there")
-            if verdict == [None, None]:  # ours alone: what a killed job's saves left half-written goes
+            if verdict == [None, None]:  # ours alone: what a killed job's saves and checks left goes
                 for name in os.listdir(self.out_dir):
-                    if name.endswith(".tmp") and NAME.match(name.removesuffix(".tmp")):
+                    if name.endswith(".tmp") and NAME.match(name.removesuffix(".tmp")) or name.startswith(".probe-"):
                         remove(os.path.join(self.out_dir, name))
         dist.broadcast_object_list(verdict, src=0, group=self.group)  # every rank stops alike, or none
         if verdict[0]:
@@ -111,13 +119,23 @@ class Checkpoints:
     def _commit(self, future: Future, folder: str, extra: dict) -> None:
         """In the background: once every rank's shard is written, each hashes its own files, rank 0
         writes the manifest and renames the folder into place, and drops the oldest."""
-        future.result()
         tmp = folder + ".tmp"
-        mine = {name: {"size": os.path.getsize(os.path.join(tmp, name)), "sha256": sha256(os.path.join(tmp, name))}
-                for name in os.listdir(tmp) if name.startswith(f"__{self.rank}_") or
-                (self.rank == 0 and name == ".metadata")}
+        try:
+            future.result()
+            mine = {name: {"size": os.path.getsize(os.path.join(tmp, name)),
+                           "sha256": sha256(os.path.join(tmp, name))}
+                    for name in os.listdir(tmp) if name.startswith(f"__{self.rank}_") or
+                    (self.rank == 0 and name == ".metadata")}
+        except (Exception, CheckpointException) as error:  # DCP's is a BaseException, with every rank's errors
+            mine = reason(error, self.rank)  # told to every rank below, so that all stop with the same line
         everyone = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self.group)
+        failed = sorted((not re.search(r"\[Errno \d+\]", part), part) for part in everyone
+                        if isinstance(part, str))  # an OSError (a disk's) first
+        if failed:
+            last = self.committed()
+            raise ValueError(f"the checkpoint of step {extra['step']} could not be saved ({failed[0][1]}); "
+                             + (f"{last[-1]} and those before it are whole" if last else "no checkpoint was saved"))
         if self.rank == 0:
             files = {name: entry for part in everyone for name, entry in part.items()}
             with open(os.path.join(tmp, MANIFEST), "w") as file:
@@ -136,10 +154,11 @@ class Checkpoints:
             (pending, step), self.pending = self.pending, None
             try:
                 pending.result()
-            except (Exception, CheckpointException) as error:  # DCP's is a BaseException, its ranks' errors inside
-                cause = next(iter(error.failures.values()))[0] if isinstance(error, CheckpointException) else error
-                raise ValueError(f"the checkpoint of step {step} could not be saved ({type(cause).__name__}: "
-                                 f"{cause}); the ones before it are whole") from error
+            except ValueError:  # _commit's own line, the same on every rank
+                raise
+            except (Exception, CheckpointException) as error:  # after the gather: rank 0's manifest, a lost peer
+                raise ValueError(f"the checkpoint of step {step} could not be saved ({reason(error, self.rank)})") \
+                    from error
 
     # -- loading ---------------------------------------------------------------------------------
 

@@ -98,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "seed", "save_every"):
         if getattr(args, name) is not None and not 0 <= getattr(args, name) < math.inf:
             p.error(f"--{name} must not be negative, nan or infinite")
-    for name in ("lr", "min_lr"):  # Adam's first step divides lr by 1 - 0.9: above float32's range, a traceback
+    for name in ("lr", "min_lr", "timeout"):  # Adam's first step divides lr by 1 - 0.9; timedelta's range
         if getattr(args, name) is not None and not getattr(args, name) < 1e7:
             p.error(f"--{name} must be below 1e7")
     if args.seed >= 2**64:
@@ -302,7 +302,7 @@ def check_input(args: argparse.Namespace, tokens: data.Tokens, rank: int, world_
         try:
             os.makedirs(args.out_dir, exist_ok=True)
             open(os.path.join(args.out_dir, "metrics.jsonl"), "a").close()
-            problem[1] = os.path.join(args.out_dir, f".probe-{os.getpid()}")  # this job's name: no other job's file
+            problem[1] = os.path.join(args.out_dir, f".probe-{os.urandom(6).hex()}")  # this job's alone
             open(problem[1], "w").close()  # the folder takes new files
             if args.export:
                 if os.path.isdir(args.export):
@@ -336,8 +336,9 @@ class StopRequest:
         # A CPU flag: no device sync; not the checkpoint thread's group. new_group's timeout is not the world
         # group's but the backend's default (30 minutes for gloo): a vanished host would stall the job that long.
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout) if timeout else None)
-        self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGTERM, signal.SIGINT,
-                                                                                 signal.SIGHUP)}
+        # A signal ignored when the run starts stays ignored: under nohup, SIGHUP.
+        self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+                         if signal.getsignal(sig) is not signal.SIG_IGN}
 
     def handle(self, signum: int, frame) -> None:
         self.signal = self.signal or signum

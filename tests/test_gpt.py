@@ -232,6 +232,7 @@ def test_bad_input_gets_one_line_and_a_non_zero_exit(argv, error, text_file):
     (["--grad_clip", "inf"], "--grad_clip must not be negative, nan or infinite"),
     (["--timeout", "inf"], "--timeout must be above 0 and finite"),
     (["--lr", "1e30"], "--lr must be below 1e7"),
+    (["--timeout", "1e15"], "--timeout must be below 1e7"),
     (["--seed", str(2**64)], "--seed must be below 2**64"),
 ])
 def test_values_that_would_fail_later_with_a_traceback_are_refused_by_the_parser(argv, error, capsys):
@@ -243,21 +244,30 @@ def test_values_that_would_fail_later_with_a_traceback_are_refused_by_the_parser
 
 
 def hang_up(rank: int, world_size: int) -> tuple:
-    """A StopRequest of a group of one, before and after a SIGHUP to this process."""
+    """A StopRequest of a group of one, before and after a SIGHUP to this process; then one started
+    with SIGHUP ignored, as nohup starts a command."""
     stop = import_gpt_train().StopRequest(None)
     try:
         before = stop.agreed()
         os.kill(os.getpid(), signal.SIGHUP)
-        return before, stop.agreed(), stop.name
+        stopped = stop.agreed(), stop.name
+    finally:
+        stop.restore()
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    stop = import_gpt_train().StopRequest(None)
+    try:
+        os.kill(os.getpid(), signal.SIGHUP)
+        return before, *stopped, stop.agreed()
     finally:
         stop.restore()
 
 
 def test_a_sighup_stops_the_run_as_sigterm_does():
     """A closed terminal or ssh session sends SIGHUP, and torchrun passes it on to its workers: it is a
-    stop request (the run saves the step in flight), not the default death without a save."""
+    stop request (the run saves the step in flight), not the default death without a save; but a run
+    started under nohup keeps running."""
     results, _ = spawn(hang_up, 1, timeout=60)
-    assert results[0] == (False, True, "SIGHUP")
+    assert results[0] == (False, True, "SIGHUP", False)  # under nohup it stays ignored
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])

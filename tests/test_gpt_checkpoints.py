@@ -218,15 +218,19 @@ def test_a_bad_checkpoint_or_run_is_one_line_and_loses_nothing(damage, said, uni
 
 def test_a_save_that_fails_is_one_line_and_the_checkpoints_before_it_stay_whole(tmp_path):
     """A full disk under rank 1 from step 8's save on: DCP's error, raised on every rank at the next
-    save, becomes one line; step 4's checkpoint is whole and nothing claims step 8."""
+    save, becomes one line; step 4's checkpoint is whole and nothing claims step 8. A check file that a
+    killed job left goes when the lock is taken."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / ".probe-0123456789ab").touch()
     result = torchrun_in_process(2, "gpt_disk_full.py", *ARGV, *split(2), cwd=tmp_path, timeout=60)
     assert result.codes[0] == 1 and all(result.codes), result.codes
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: the checkpoint of step 8 could not be saved (OSError: [Errno 28] No space left on "
-                      "device); the ones before it are whole"], result.stderr
+    assert errors == ["error: the checkpoint of step 8 could not be saved (rank 1: OSError: [Errno 28] No space "
+                      "left on device); step_00000004 and those before it are whole"], result.stderr
     assert "Traceback" not in result.stderr
     assert sorted(p.name for p in (tmp_path / "out").glob("step_*")) == ["step_00000004", "step_00000008.tmp"]
     assert (tmp_path / "out" / "step_00000004" / "manifest.json").exists()
+    assert not list((tmp_path / "out").glob(".probe-*"))
 
 
 def test_an_out_dir_that_a_rank_does_not_share_is_refused_before_any_step(tmp_path):
