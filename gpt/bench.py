@@ -69,9 +69,9 @@ def main() -> None:
     if any(n < 1 for n in args.world_sizes) or args.repeats < 1 or (args.save_every or 1) < 1:
         parser.error("--world_sizes, --repeats and --save_every must be at least 1")
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-    steps = argparse.ArgumentParser(add_help=False)
-    steps.add_argument("--max_steps", type=int)  # train.py's, as it reads them: the last one given wins
-    steps = steps.parse_known_args([*DEFAULTS, *train_args])[0].max_steps
+    train_parser = argparse.ArgumentParser(add_help=False)
+    train_parser.add_argument("--max_steps", type=int)  # train.py's, as it reads them: the last one given wins
+    steps = train_parser.parse_known_args([*DEFAULTS, *train_args])[0].max_steps
     cores = os.cpu_count() or 1
     print(f"machine: {machine()}")
     print(f"train.py {' '.join(DEFAULTS + train_args)}")

@@ -98,7 +98,7 @@ class Checkpoints:
                               f"({errno.errorcode[error.errno]}); make sure no other job writes there")
             if verdict == [None, None]:  # ours alone: what a killed job's saves and checks left goes
                 for name in os.listdir(self.out_dir):
-                    if name.endswith(".tmp") and NAME.match(name.removesuffix(".tmp")) or name.startswith(".probe-"):
+                    if (name.endswith(".tmp") and NAME.match(name.removesuffix(".tmp"))) or name.startswith(".probe-"):
                         remove(os.path.join(self.out_dir, name))
         dist.broadcast_object_list(verdict, src=0, group=self.group)  # every rank stops alike, or none
         if verdict[0]:

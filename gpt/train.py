@@ -98,7 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "seed", "save_every"):
         if getattr(args, name) is not None and not 0 <= getattr(args, name) < math.inf:
             p.error(f"--{name} must not be negative, nan or infinite")
-    for name in ("lr", "min_lr", "timeout"):  # Adam's first step divides lr by 1 - 0.9; timedelta's range
+    # Far past any real value, and far below where they fail with a traceback: Adam's first step overflows
+    # float32 at an lr above ~3e37 (lr / (1 - 0.9)), timedelta at a timeout above ~9e13 s.
+    for name in ("lr", "min_lr", "timeout"):
         if getattr(args, name) is not None and not getattr(args, name) < 1e7:
             p.error(f"--{name} must be below 1e7")
     if args.seed >= 2**64:
@@ -234,7 +236,7 @@ def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 
 def weights_are_finite(model: torch.nn.Module) -> bool:
     """Whether every rank's weights (its shards, under FSDP) are finite: one all-reduce. A finite loss
-    and gradient can still step the weights to inf or nan (a huge lr, a nan weight decay)."""
+    and gradient can still step the weights to inf or nan (a huge lr or weight decay)."""
     flag = torch.stack([torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()
                         for p in model.parameters()]).all().to(torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -327,9 +329,9 @@ class StopRequest:
     """SIGTERM (a preemption: Slurm and Kubernetes send it first, and torchrun passes it on to its
     workers, then kills them 30 s later), SIGINT or SIGHUP (a closed terminal or ssh session; torchrun
     passes it on too), noted by a handler and agreed by every rank at a step boundary, so that all
-    stop after the same step and save it. A worker often gets the signal
-    twice (from Slurm and from torchrun; Linux's parent-death signal once per re-parenting): the
-    second changes nothing. `kill -9` is the way to stop without saving."""
+    stop after the same step and save it. A worker often gets the signal twice (from Slurm and from
+    torchrun; Linux's parent-death signal once per re-parenting): the second changes nothing.
+    `kill -9` is the way to stop without saving."""
 
     def __init__(self, timeout: float | None) -> None:
         self.signal, self.number, self.name = 0, 0, None
