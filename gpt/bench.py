@@ -4,6 +4,7 @@
     python gpt/bench.py --world_sizes 1 8 -- --model gpt2 --data DIR --seq_len 1024 --precision bf16
     python gpt/bench.py --world_sizes 2 --save_every 5      # what asynchronous checkpoints cost
     python gpt/bench.py --world_sizes 1 --resume            # a resumed run against a fresh one
+    python gpt/bench.py --world_sizes 2 4 --stop_agreement  # what agreeing on a stop costs a step
 
 Each world size runs train.py under torchrun `--repeats` times with the same per-rank batch (weak
 scaling), in a temporary --out_dir, and reads tokens_per_s from its metrics.jsonl, leaving out the
@@ -11,6 +12,9 @@ first log interval (start-up, first steps). A run's figure is the median of its 
 table gives the median of the runs with their min and max. Efficiency is tokens/s at N ranks over
 N × tokens/s at one rank: 100% is perfect scaling. On a CPU each rank gets cores // N threads, so
 the comparison is fair; on GPUs each rank has its own device. Arguments after `--` go to train.py.
+--stop_agreement times instead a step of the model's own compute (no gradient all-reduce: the
+agreement's cost is not hidden behind it) alone, with a blocking all-reduce of the stop flag after
+every step (how train.py agreed before), and with train.StopRequest's, read a step after it starts.
 """
 import argparse
 import json
@@ -20,8 +24,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 import torch
+import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULTS = ["--max_steps", "60", "--log_every", "10", "--eval_every", "1000000", "--val_tokens", "64",
@@ -48,6 +54,65 @@ def run(world_size: int, train_args: list[str], threads: int, out_dir: str | Non
     return figures
 
 
+def stop_worker(steps: int, repeats: int) -> None:
+    """Under torchrun: each rank's mean time of a step of the tiny model's forward, backward and AdamW
+    step, alone and then with each way to agree on a stop; rank 0 prints the slowest rank's as JSON."""
+    sys.path.insert(0, HERE)
+    import train  # gpt/train.py: importing it starts nothing
+
+    from model import CONFIGS, GPT, GPTConfig
+
+    dist.init_process_group("gloo")
+    model = GPT(GPTConfig(vocab_size=64, seq_len=64, **CONFIGS["tiny"]))
+    optimizer = torch.optim.AdamW(model.parameters())
+    x = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(dist.get_rank()))
+    times = {"alone": [], "blocking": [], "async": []}
+    for _ in range(repeats):
+        for way in times:  # interleaved: a drift in the machine's speed touches every way alike
+            stop = None if way == "alone" else train.StopRequest(60.0, blocking=way == "blocking")
+            dist.barrier()
+            started = time.perf_counter()
+            for _ in range(steps):
+                model(x, x).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if stop:
+                    stop.agreed()
+            mean = torch.tensor((time.perf_counter() - started) / steps)
+            if stop:
+                stop.restore()
+            dist.all_reduce(mean, op=dist.ReduceOp.MAX)  # the job runs at its slowest rank's pace
+            times[way].append(mean.item())
+    if dist.get_rank() == 0:
+        print("STOP " + json.dumps(times), flush=True)
+    dist.destroy_process_group()
+
+
+def stop_agreement(world_sizes: list[int], repeats: int, cores: int) -> None:
+    steps = 200
+    print(f"stop agreement: a step of the tiny model's compute ({steps} steps, slowest rank; median of {repeats}, "
+          "min and max)")
+    print(f"{'ranks':>5} {'step alone':>12} {'+ blocking all-reduce (before)':>32} {'+ read a step later (after)':>30}")
+    for world_size in world_sizes:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                   str(world_size), os.path.abspath(__file__), "--stop_worker", str(steps), "--repeats", str(repeats)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // world_size))}
+        result = subprocess.run(command, env=env, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise SystemExit(f"error: {world_size} ranks failed:\n{result.stderr[-2000:]}")
+        times = json.loads(result.stdout.split("STOP ", 1)[1].splitlines()[0])
+        alone = statistics.median(times["alone"])
+        costs = [cost(times[way], times["alone"], alone) for way in ("blocking", "async")]
+        print(f"{world_size:>5} {1e3 * alone:>9.2f} ms {costs[0]:>32} {costs[1]:>30}", flush=True)
+
+
+def cost(with_it: list[float], without: list[float], alone: float) -> str:
+    """The median extra time per step, in us and as a share of a step alone, [min, max]."""
+    extra = sorted(1e6 * (t - a) for t, a in zip(with_it, without, strict=True))
+    return (f"{statistics.median(extra):+.0f} us ({statistics.median(extra) / (1e4 * alone):+.1f}%) "
+            f"[{extra[0]:+.0f}, {extra[-1]:+.0f}]")
+
+
 def machine() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.device_count()} × {torch.cuda.get_device_name()}, torch {torch.__version__}"
@@ -64,16 +129,23 @@ def main() -> None:
                                                         "print what the saves cost")
     parser.add_argument("--resume", action="store_true", help="also compare a run resumed at its --max_steps (60) "
                                                               "with the same steps of a fresh run")
+    parser.add_argument("--stop_agreement", action="store_true", help="instead: what agreeing on a stop costs a "
+                                                                      "step, the old way and train.py's")
+    parser.add_argument("--stop_worker", type=int, help=argparse.SUPPRESS)  # stop_agreement's ranks, under torchrun
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: train.py's own arguments")
     args = parser.parse_args()
     if any(n < 1 for n in args.world_sizes) or args.repeats < 1 or (args.save_every or 1) < 1:
         parser.error("--world_sizes, --repeats and --save_every must be at least 1")
+    if args.stop_worker:
+        return stop_worker(args.stop_worker, args.repeats)
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     train_parser = argparse.ArgumentParser(add_help=False)
     train_parser.add_argument("--max_steps", type=int)  # train.py's, as it reads them: the last one given wins
     steps = train_parser.parse_known_args([*DEFAULTS, *train_args])[0].max_steps
     cores = os.cpu_count() or 1
     print(f"machine: {machine()}")
+    if args.stop_agreement:
+        return stop_agreement(args.world_sizes, args.repeats, cores)
     print(f"train.py {' '.join(DEFAULTS + train_args)}")
     print(f"{'ranks':>5} {'threads':>7} {'tokens/s (median)':>18} {'min':>10} {'max':>10} {'per rank':>10} "
           f"{'efficiency':>10}")

@@ -4,15 +4,34 @@ Three sources, each a pair of 1-D arrays of token ids (train, val):
 - `synthetic`: a random Markov chain over 64 tokens. Its entropy rate is computed exactly, so a run
   knows the lowest loss any model can reach (the floor) and prints its distance to it.
 - `FILE.txt` (any file): its bytes are the tokens (vocab 256), read in place with np.memmap; the
-  last tenth is the validation split. There is nothing to prepare and no cache to go stale.
-- `DIR`: nanoGPT's train.bin and val.bin (uint16 token ids), read with np.memmap, so data prepared
-  for nanoGPT runs here unchanged. GPT-2's vocab (50257) unless --vocab_size says otherwise.
+  last tenth is the validation split. There is nothing to prepare and no tokenized copy to go stale.
+- `DIR`: its `*train*.bin` and `*val*.bin` files, each split's read in name order as one stream (a
+  window may span two files), memory-mapped: nothing is loaded whole. Two formats, never mixed:
+  - llm.c's shards, which modded-nanogpt reads too (fineweb_train_000001.bin, ...): 256 little-endian
+    int32 (magic, version, token count, then zeros), then the tokens. The header says the width:
+    magic 20240520 version 1, uint16 (GPT-2's tokenizer); magic 20240801 version 7, uint32 (llm.c's
+    Llama 3). A file is taken for one when its first int32 is a magic.
+  - raw ids, as nanoGPT's prepare.py writes train.bin and val.bin: uint16, or uint32 with
+    --data_dtype uint32. Nothing in the file says its width, and uint32 ids read as uint16 pass any
+    vocab check (docs/pitfalls.md): only the flag can say it.
+  Refused in one line that names the file, before any step: a file without a magic beside files
+  with one (a damaged magic, or a stray file), shards of two widths, an unknown version, a width that
+  contradicts --data_dtype, a token count that disagrees with the file's size (a truncated file), a
+  size that is not a whole number of ids. GPT-2's vocab (50304) unless --vocab_size, whatever the
+  width: uint32 data of a larger vocab is refused by the id check until --vocab_size says it.
+
+Every id must fit the vocab, which takes a read of the whole data: each file's largest id is kept
+in OUT_DIR/data_check.json under its real path, size, mtime and format, so a restart or resume with
+that OUT_DIR reads no data, and a file changed since (another size or mtime) is read again.
 
 The batch of step s is drawn from (seed, s) alone: the whole global batch is drawn, then split
 among ranks and micro-steps. So what is trained does not depend on the world size or on
 --grad_accum (only on their product with --batch_size), and a resume will need only the step.
 """
 import bisect
+import glob
+import itertools
+import json
 import os
 from dataclasses import dataclass
 
@@ -24,15 +43,51 @@ SYNTHETIC_CONCENTRATION = 0.1  # Dirichlet parameter of each row: smaller is mor
 SYNTHETIC_SEED = 1234  # fixed: the task is the same whatever --seed the run uses
 SYNTHETIC_TOKENS = (1 << 19, 1 << 15)  # train, val
 GPT2_VOCAB = 50304  # GPT-2's 50257, rounded up to a multiple of 64 as nanoGPT does: faster matmuls
+HEADER_BYTES = 256 * 4  # llm.c's header: 256 little-endian int32
+HEADERS = {20240520: (1, np.uint16), 20240801: (7, np.uint32)}  # magic: (version, ids), llm.c's data_common.py
+CHECKED = "data_check.json"  # in OUT_DIR: each file's largest id, so that a restart reads no data
+
+
+@dataclass
+class TokenFile:
+    path: str
+    tokens: np.ndarray  # its ids, memory-mapped, after the header if it has one
+    format: str  # "llm.c uint16", "raw uint32", "text uint8", ...
+    real: str  # its real path: the same file under any name
+    key: dict  # its size, mtime and format when loaded: a largest id kept for another key is read again
+
+
+class Shards:
+    """Several 1-D arrays as one, for len() and slices: a slice within one file is a view of it, one
+    that spans two is copied from both. Nothing is read until sliced."""
+
+    def __init__(self, arrays: list[np.ndarray]) -> None:
+        self.arrays = arrays
+        self.starts = [0, *itertools.accumulate(len(a) for a in arrays)]  # where each begins in the stream
+        self.dtype = arrays[0].dtype
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        start, stop, step = index.indices(len(self))
+        if step != 1:
+            raise IndexError("Shards take slices of consecutive ids only")
+        i, pieces = bisect.bisect_right(self.starts, start) - 1, []  # i: the file that holds `start`
+        while start < stop:
+            pieces.append(self.arrays[i][start - self.starts[i]:stop - self.starts[i]])
+            start, i = start + len(pieces[-1]), i + 1
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces) if pieces else np.empty(0, self.dtype)
 
 
 @dataclass
 class Tokens:
-    train: np.ndarray  # 1-D token ids
-    val: np.ndarray
+    train: np.ndarray | Shards  # 1-D token ids
+    val: np.ndarray | Shards
     vocab_size: int
     floor: float | None  # the lowest expected loss per token (nats), where it is known
     name: str
+    files: list[TokenFile]  # what the id check reads: none for synthetic, whose ids fit by construction
 
 
 def markov_chain(vocab_size: int, concentration: float, seed: int) -> tuple[np.ndarray, float]:
@@ -62,31 +117,89 @@ def synthetic() -> Tokens:
     transitions, entropy = markov_chain(SYNTHETIC_VOCAB, SYNTHETIC_CONCENTRATION, SYNTHETIC_SEED)
     rng = np.random.default_rng(SYNTHETIC_SEED + 1)
     train, val = (sample_chain(transitions, n, rng) for n in SYNTHETIC_TOKENS)
-    return Tokens(train, val, SYNTHETIC_VOCAB, entropy, "synthetic")
+    return Tokens(train, val, SYNTHETIC_VOCAB, entropy, "synthetic", [])
 
 
-def load(spec: str, vocab_size: int | None = None) -> Tokens:
-    """`synthetic`, a file of text, or a folder with nanoGPT's train.bin and val.bin."""
+def load(spec: str, vocab_size: int | None = None, dtype: str | None = None) -> Tokens:
+    """`synthetic`, a file of text, or a folder of .bin files (nanoGPT's or llm.c's); `dtype`: the
+    width of raw .bin ids (default uint16)."""
+    if dtype is not None and not os.path.isdir(spec):
+        raise ValueError(f"--data_dtype is for a folder of .bin files, not --data {spec}")
     if spec == "synthetic":
         return synthetic()
     if os.path.isdir(spec):
-        train, val = (_memmap(os.path.join(spec, f"{split}.bin"), np.uint16) for split in ("train", "val"))
-        return Tokens(train, val, vocab_size or GPT2_VOCAB, None, spec)
-    text = _memmap(spec, np.uint8)
-    cut = len(text) * 9 // 10
-    return Tokens(text[:cut], text[cut:], vocab_size or 256, None, spec)
+        return _folder(spec, vocab_size, dtype)
+    text = _token_file(spec, "uint8", text=True)
+    cut = len(text.tokens) * 9 // 10
+    return Tokens(text.tokens[:cut], text.tokens[cut:], vocab_size or 256, None, spec, [text])
 
 
-def _memmap(path: str, dtype: type) -> np.ndarray:
+def _folder(folder: str, vocab_size: int | None, dtype: str | None) -> Tokens:
+    found = {split: sorted(glob.glob(os.path.join(glob.escape(folder), f"*{split}*.bin")))  # name order
+             for split in ("train", "val")}
+    for split, paths in found.items():
+        if not paths:
+            raise ValueError(f"--data {folder}: no *{split}*.bin file in it (give synthetic, a text file, or a "
+                             "folder with nanoGPT's train.bin and val.bin or llm.c's shards)")
+    both = sorted(set(found["train"]) & set(found["val"]))
+    if both:
+        raise ValueError(f"--data {both[0]}: its name says both train and val")
+    files = {split: [_token_file(path, dtype) for path in paths] for split, paths in found.items()}
+    every = files["train"] + files["val"]
+    headed = [f for f in every if f.format.startswith("llm.c")]
+    for f in every:
+        # A damaged magic is read as raw ids: among shards with a header, it is refused, not trained on.
+        if headed and not f.format.startswith("llm.c"):
+            raise ValueError(f"--data {f.path}: no llm.c header (magic {' or '.join(map(str, HEADERS))}) where "
+                             f"{headed[0].path} has one: a folder's .bin files all have one, or none")
+        if f.format != every[0].format:
+            raise ValueError(f"--data {f.path}: {f.format} ids where {every[0].path} holds {every[0].format}: "
+                             "a folder's .bin files hold ids of one width")
+    train, val = (split[0].tokens if len(split) == 1 else Shards([f.tokens for f in split]) for split in files.values())
+    return Tokens(train, val, vocab_size or GPT2_VOCAB, None, folder, every)
+
+
+def _token_file(path: str, dtype: str | None, text: bool = False) -> TokenFile:
+    """One file's ids, memory-mapped: after llm.c's header where the file starts with a magic (its
+    width from the header), else the whole file as raw ids of `dtype` (default uint16)."""
     if not os.path.isfile(path):
         raise ValueError(f"--data {path}: no such file (give synthetic, a text file, or a folder with "
-                         "train.bin and val.bin)")
-    if os.path.getsize(path) == 0:
+                         "nanoGPT's train.bin and val.bin or llm.c's shards)")
+    stat = os.stat(path)  # before any read: a file changed after it is read again at the next start
+    size = stat.st_size
+    if size == 0:
         raise ValueError(f"--data {path}: the file is empty")
-    if os.path.getsize(path) % np.dtype(dtype).itemsize:
-        raise ValueError(f"--data {path}: {os.path.getsize(path)} bytes is not a whole number of "
-                         f"{np.dtype(dtype).name} token ids")
-    return np.memmap(path, dtype=dtype, mode="r")
+    with open(path, "rb") as file:
+        head = file.read(HEADER_BYTES)
+    if not text and int.from_bytes(head[:4], "little", signed=True) in HEADERS:
+        tokens, form = _after_header(path, head, size, dtype)
+    else:
+        name = np.dtype(dtype or "uint16").name
+        if size % np.dtype(name).itemsize:
+            raise ValueError(f"--data {path}: {size} bytes is not a whole number of {name} token ids")
+        tokens, form = np.memmap(path, dtype=name, mode="r"), f"{'text' if text else 'raw'} {name}"
+    key = {"size": size, "mtime_ns": stat.st_mtime_ns, "format": form}
+    return TokenFile(path, tokens, form, os.path.realpath(path), key)
+
+
+def _after_header(path: str, head: bytes, size: int, dtype: str | None) -> tuple[np.memmap, str]:
+    """(the ids, the format) of a file that starts with llm.c's magic, once its header is found whole
+    and agrees with the file's size and with --data_dtype."""
+    if len(head) < HEADER_BYTES:
+        raise ValueError(f"--data {path}: truncated: {size} bytes, shorter than llm.c's header ({HEADER_BYTES})")
+    magic, version, count = np.frombuffer(head, dtype="<i4")[:3].tolist()
+    known, ids = HEADERS[magic]
+    name = np.dtype(ids).name
+    if version != known:
+        raise ValueError(f"--data {path}: version {version} of llm.c's header (magic {magic}) is not known; "
+                         f"{known} is")
+    if dtype is not None and dtype != name:
+        raise ValueError(f"--data {path}: its header says {name} ids, not --data_dtype {dtype}")
+    expected = HEADER_BYTES + count * np.dtype(ids).itemsize
+    if count < 1 or size != expected:
+        raise ValueError(f"--data {path}: {'truncated: ' if size < expected else ''}its header says {count} "
+                         f"tokens ({expected} bytes with it), the file has {size} bytes")
+    return np.memmap(path, dtype=ids, mode="r", offset=HEADER_BYTES, shape=(count,)), f"llm.c {name}"
 
 
 def check(tokens: Tokens, seq_len: int) -> None:
@@ -103,6 +216,32 @@ def largest_id(array: np.ndarray, rank: int, world_size: int, chunk: int = 1 << 
     share = -(-len(array) // world_size)
     part = array[rank * share:(rank + 1) * share]
     return max((int(part[i:i + chunk].max()) for i in range(0, len(part), chunk)), default=0)
+
+
+def remembered(out_dir: str, files: list[TokenFile]) -> list[int | None]:
+    """Each file's largest id as OUT_DIR/data_check.json holds it, or None where it holds none for the
+    file as it is now (another size, mtime or format). Reading creates nothing: bad data still leaves
+    no OUT_DIR behind."""
+    try:
+        with open(os.path.join(out_dir, CHECKED)) as file:
+            kept = json.load(file)
+    except (OSError, ValueError):  # none yet; or OUT_DIR is no folder (check_input says so)
+        kept = {}
+    largest = []
+    for f in files:
+        entry = kept.get(f.real) if isinstance(kept, dict) else None
+        n = entry.get("largest") if isinstance(entry, dict) else None
+        largest.append(n if isinstance(n, int) and entry == {**f.key, "largest": n} else None)
+    return largest
+
+
+def remember(out_dir: str, files: list[TokenFile], largest: list[int]) -> None:
+    """Keep each file's largest id in OUT_DIR/data_check.json, whole or not at all (a torn file would
+    only be read as none: the next start reads the data again)."""
+    path = os.path.join(out_dir, CHECKED)
+    with open(path + ".tmp", "w") as file:
+        json.dump({f.real: {**f.key, "largest": n} for f, n in zip(files, largest, strict=True)}, file, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 def batch_starts(step: int, seed: int, n_tokens: int, seq_len: int, global_batch: int) -> np.ndarray:

@@ -20,8 +20,10 @@ PARENT_AT_START = os.getppid()
 import argparse
 import contextlib
 import ctypes
+import gc
 import json
 import math
+import resource
 import signal
 import sys
 import time
@@ -30,7 +32,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -50,15 +51,29 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # What a checkpoint records of the run that wrote it; a resume with other values says so in one line.
 RUN = ("data", "max_steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "seed", "batch_size",
        "grad_accum", "parallel", "precision")
-# Dense bf16 tensor-core peak per GPU in TFLOP/s (NVIDIA's datasheets); TF32 is half of it.
-PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
+GC_EVERY = 100  # steps between garbage collections, on every rank at once
+# Dense bf16 tensor-core peak per GPU in TFLOP/s (NVIDIA's datasheets give twice these, with sparsity); TF32 is
+# half of it. The first key found in the device's name wins: a variant before its family's name.
+PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200 NVL": 835.0, "H200": 989.0,
+                    "A100": 312.0, "GB200": 2500.0, "B200": 2250.0}
+
+
+def steps_range(text: str) -> tuple[int, int]:
+    """--profile's A:B: the first and last step to trace, 1 <= A <= B."""
+    first, _, last = text.partition(":")
+    if not (first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not A:B with 1 <= A <= B (steps, e.g. 10:12)")
+    return int(first), int(last)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", choices=CONFIGS, default="tiny", help="the model's size (gpt/model.py CONFIGS)")
-    p.add_argument("--data", default="synthetic", help="synthetic, a text file, or a folder with nanoGPT's "
-                                                       "train.bin and val.bin")
+    p.add_argument("--data", default="synthetic", help="synthetic, a text file, or a folder of *train*.bin and "
+                                                       "*val*.bin:\nnanoGPT's train.bin and val.bin, or llm.c's shards")
+    p.add_argument("--data_dtype", choices=["uint16", "uint32"], help="the width of raw .bin ids, which have no "
+                                                                      "header (default uint16);\nllm.c's shards "
+                                                                      "say theirs")
     p.add_argument("--vocab_size", type=int, help="token ids below this (default: 64 synthetic, 256 text, 50304 DIR)")
     p.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp"], default="ddp",
                    help="ddp: a replica per rank; fsdp: every block sharded over all ranks;\n"
@@ -87,6 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--export", help="write the whole model here at the end, for GPT.load (gpt/model.py)")
     p.add_argument("--peak_tflops", type=float, help="the GPU's peak, for MFU (default: from its name)")
     p.add_argument("--timeout", type=float, help="seconds a collective may wait (default: torch's, 10 min on nccl)")
+    p.add_argument("--profile", type=steps_range, metavar="A:B", help="write a torch.profiler trace of steps A to B "
+                                                                      "per rank to OUT_DIR/profile (Perfetto opens it)")
     args = p.parse_args(argv)
     for name in ("max_steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_every", "val_tokens",
                  "vocab_size", "keep"):
@@ -109,10 +126,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--vocab_size is for files; the synthetic data has {data.SYNTHETIC_VOCAB} tokens")
     if args.shard_size is not None and (args.parallel != "hsdp" or args.shard_size < 1):
         p.error("--shard_size is for --parallel hsdp, and must be at least 1")
-    if args.parallel != "ddp" and args.precision == "fp16":
-        # GradScaler's inf check sees only this rank's shard of the gradients (no all-reduce in
-        # torch/amp/grad_scaler.py), so sharded ranks could disagree on skipping a step.
-        p.error("--precision fp16 needs --parallel ddp; use bf16 with fsdp or hsdp")
     return args
 
 
@@ -169,8 +182,7 @@ def build(args: argparse.Namespace, config: GPTConfig, world_size: int, device: 
         model = GPT(config)
         model.init_weights(args.seed)
         if args.compile:
-            for block in model.blocks:
-                block.compile()
+            compile_model(model)
         model.to(device)
         # DDP broadcasts rank 0's weights at construction; every rank built the same ones anyway.
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -185,9 +197,9 @@ def build(args: argparse.Namespace, config: GPTConfig, world_size: int, device: 
         model = GPT(config)
     dtype = DTYPES[args.precision]
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)  # weights, grads in fp32
+    if args.compile:
+        compile_model(model)
     for block in model.blocks:
-        if args.compile:
-            block.compile()
         fully_shard(block, mesh=mesh, mp_policy=policy)  # one all-gather per block, freed after use
     fully_shard(model, mesh=mesh, mp_policy=policy)  # the rest: embeddings, final norm, tied head
     model.to_empty(device=device)
@@ -198,6 +210,16 @@ def build(args: argparse.Namespace, config: GPTConfig, world_size: int, device: 
             param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements,
                                                      src_data_rank=None).to_local())  # keep this rank's shard
     return model
+
+
+def compile_model(model: GPT) -> None:
+    """torch.compile each block, and the head with its loss (head_loss), before any wrapping: each
+    block apart, so that FSDP's hooks stay between them (one all-gather per block) and one compiled
+    block serves every layer; the head and the loss apart from the rest, as the root module's
+    forward holds FSDP's hooks for the embeddings and the tied head."""
+    for block in model.blocks:
+        block.compile()
+    model.head_loss = torch.compile(model.head_loss)
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
@@ -259,8 +281,7 @@ def evaluate(model: torch.nn.Module, tokens: data.Tokens, starts, args: argparse
         chunk = mine[i * args.batch_size:(i + 1) * args.batch_size]
         x, y = data.windows(tokens.val, chunk if len(chunk) else starts[:1], args.seq_len, device)
         with autocast:
-            logits = model(x)
-        losses = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
+            losses = model(x, y)  # (batch × seq), fp32
         if len(chunk):
             totals[0] += losses.double().sum()
             totals[1] += losses.numel()
@@ -282,22 +303,51 @@ def peak_flops(args: argparse.Namespace, device: torch.device) -> float | None:
     return bf16 * 1e12 / (2 if args.precision == "fp32" else 1)
 
 
+def peak_memory(device: torch.device) -> tuple[dict, str]:
+    """(the metrics' fields, the log line's words): the largest peak of any rank in GiB, CUDA's most
+    allocated and reserved (what a GPU user tunes first), or on a CPU the process's peak resident set.
+    One all-reduce (max): every rank calls it."""
+    if device.type == "cuda":
+        names = ("peak_allocated_gib", "peak_reserved_gib")
+        peaks = [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)]
+    else:
+        names = ("peak_rss_gib",)  # getrusage's ru_maxrss is in KiB on Linux, in bytes on macOS
+        peaks = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)]
+    largest = torch.tensor(peaks, dtype=torch.float64, device=device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    fields = dict(zip(names, (value / 2**30 for value in largest.tolist()), strict=True))
+    words = " / ".join(f"{value:.2f}" for value in fields.values())
+    return fields, f"mem {words} GiB" + (" (allocated / reserved)" if device.type == "cuda" else " (rss)")
+
+
 def check_input(args: argparse.Namespace, tokens: data.Tokens, rank: int, world_size: int,
                 device: torch.device) -> None:
     """Bad data or paths stop every rank alike, before any step, with one line (a ValueError).
 
     Every token id must fit the vocab: an embedding fed one that does not fails with a cryptic
-    device-side error, possibly hours in. The ranks scan a share of each split each, and an
-    all-reduce (max) tells all of them. Rank 0 tries --out_dir and --export, and tells the others;
-    then every rank looks for the file rank 0 wrote there: DCP writes each rank's shard into one
-    folder, so OUT_DIR must be one that every rank shares (on several nodes, a shared file system)."""
+    device-side error, possibly hours in. The ranks scan a share of each file each, and an
+    all-reduce (max) tells all of them; once per OUT_DIR and file: its largest id is kept there for
+    the next start, which reads only a file changed since (data.remembered). Rank 0 tries --out_dir
+    and --export, and tells the others; then every rank looks for the file rank 0 wrote there: DCP
+    writes each rank's shard into one folder, so OUT_DIR must be one that every rank shares (on
+    several nodes, a shared file system)."""
     data.check(tokens, args.seq_len)
-    if tokens.name != "synthetic":  # its ids are below its vocab by construction
-        largest = torch.tensor([data.largest_id(a, rank, world_size) for a in (tokens.train, tokens.val)],
-                               device=device)
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-        if largest.max().item() >= tokens.vocab_size:
-            raise ValueError(f"--data {tokens.name}: token id {largest.max().item()} is outside the vocab of "
+    largest, unread = [], []
+    if tokens.files:  # none for synthetic: its ids are below its vocab by construction
+        # Rank 0's view of the kept ids decides for every rank: all then read the same files and join
+        # the same all-reduce, or none does (a rank that judged alone could skip it and hang the others).
+        kept = [data.remembered(args.out_dir, tokens.files) if rank == 0 else None]
+        dist.broadcast_object_list(kept, src=0)
+        largest = kept[0]
+        unread = [i for i, n in enumerate(largest) if n is None]
+        if unread:
+            found = torch.tensor([data.largest_id(tokens.files[i].tokens, rank, world_size) for i in unread],
+                                 device=device)
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)  # each rank read a share of each file
+            for i, n in zip(unread, found.tolist(), strict=True):
+                largest[i] = n
+        if max(largest) >= tokens.vocab_size:
+            raise ValueError(f"--data {tokens.name}: token id {max(largest)} is outside the vocab of "
                              f"{tokens.vocab_size}: set --vocab_size")
     problem = [None, None]  # (what is wrong, the file rank 0 wrote)
     if rank == 0:
@@ -323,6 +373,11 @@ def check_input(args: argparse.Namespace, tokens: data.Tokens, rank: int, world_
     if unseen.item():
         raise ValueError(f"--out_dir {args.out_dir}: rank {unseen.item() - 1} does not see the file that rank 0 "
                          "wrote there: checkpoints need a folder that every rank shares")
+    if rank == 0 and unread:  # no collective here; only once OUT_DIR passed: bad data or paths create nothing
+        try:
+            data.remember(args.out_dir, tokens.files, largest)
+        except OSError as error:  # costs the next start a read of the data, nothing more
+            print(f"the data's check is not kept in {args.out_dir}: {error}", flush=True)
 
 
 class StopRequest:
@@ -331,30 +386,49 @@ class StopRequest:
     passes it on too), noted by a handler and agreed by every rank at a step boundary, so that all
     stop after the same step and save it. A worker often gets the signal twice (from Slurm and from
     torchrun; Linux's parent-death signal once per re-parenting): the second changes nothing.
-    `kill -9` is the way to stop without saving."""
+    `kill -9` is the way to stop without saving.
 
-    def __init__(self, timeout: float | None) -> None:
-        self.signal, self.number, self.name = 0, 0, None
+    The agreement costs no round trip per step: the all-reduce of each rank's flag starts at the
+    end of one step and is read at the end of the next, a step later, by when it has long arrived.
+    So a signal noted during step s stops every rank after step s + 1 (it arrives at most two steps
+    before the save: inside torchrun's 30 s for steps up to ~10 s). `blocking=True` is the old way,
+    an all-reduce waited for at every step, kept for gpt/bench.py's comparison."""
+
+    def __init__(self, timeout: float | None, blocking: bool = False) -> None:
+        self.signal, self.number, self.name, self.blocking = 0, 0, None, blocking
         # A CPU flag: no device sync; not the checkpoint thread's group. new_group's timeout is not the world
         # group's but the backend's default (30 minutes for gloo): a vanished host would stall the job that long.
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout) if timeout else None)
         # A signal ignored when the run starts stays ignored: under nohup, SIGHUP.
         self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
                          if signal.getsignal(sig) is not signal.SIG_IGN}
+        self.sent = None if blocking else self.send()  # read at the end of the first step
 
     def handle(self, signum: int, frame) -> None:
         self.signal = self.signal or signum
 
-    def agreed(self) -> bool:
+    def send(self) -> tuple[torch.Tensor, dist.Work]:
         flag = torch.tensor([self.signal], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)  # any rank's signal stops all
+        return flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)  # any rank's
+
+    def agreed(self) -> bool:
+        """Whether every rank stops after this step: every rank calls it once per step, in step."""
+        flag, work = self.send() if self.blocking else self.sent
+        work.wait()  # started a step ago: done by now, unless a rank lags (then it waits, as any collective would)
+        if not self.blocking:
+            self.sent = self.send()  # this step's flags, read after the next step
         self.number = int(flag)
         self.name = signal.Signals(self.number).name if self.number else None
         return bool(self.number)
 
     def restore(self) -> None:
+        """The handlers as they were; the all-reduce in flight finished (every rank started it)."""
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+        if self.sent is not None:
+            with contextlib.suppress(Exception):  # a peer that died: gloo has already failed the work
+                self.sent[1].wait()
+            self.sent = None
 
 
 def open_metrics(out_dir: str, first_step: int):
@@ -433,7 +507,7 @@ def settle_buckets(model: DDP, x: torch.Tensor, autocast) -> None:
 def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> torch.nn.Module | int:
     """The trained model, or the number of the signal that stopped the run before --max_steps (it
     is saved)."""
-    tokens = data.load(args.data, args.vocab_size)
+    tokens = data.load(args.data, args.vocab_size, args.data_dtype)
     check_input(args, tokens, rank, world_size, device)
     checkpoints = Checkpoints(args.out_dir, rank, world_size, args.keep, args.timeout or 1800.0)
     try:
@@ -489,9 +563,23 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
         checkpoints.save({"model": model_state, "optim": optim_state}, step, extra)
 
     loss_sum = torch.zeros((), device=device)  # on the device until a log line: no host sync per step
-    steps_since_log, started = 0, time.perf_counter()
+    steps_since_log, started, profiler, profiled_step = 0, time.perf_counter(), None, contextlib.ExitStack()
+    # Python's garbage collector would pause each rank at its own moments, and every other rank waits in the
+    # next collective: everything built so far is frozen (never scanned again) and collections run on every
+    # rank at the same steps (as torchtitan and nanochat do).
+    gc.collect()
+    gc.freeze()
+    gc.disable()
     try:
         for step in range(first_step, args.max_steps):
+            if args.profile and step + 1 == args.profile[0]:
+                profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+                    [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []))
+                profiler.start()
+            if profiler:  # each step a named range in the trace
+                profiled_step.enter_context(torch.profiler.record_function(f"step {step + 1}"))
+            if step % GC_EVERY == 0:
+                gc.collect()
             lr = lr_at(step, args)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -501,9 +589,9 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
                 x, y = data.windows(tokens.train, mine[micro * args.batch_size:][:args.batch_size], args.seq_len,
                                     device)
                 with gradient_sync(model, micro == args.grad_accum - 1), autocast:
-                    logits = model(x)  # (batch, seq, vocab)
-                    # / grad_accum: the gradient of the mean over the micro-steps; the ranks' mean is DDP's
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / args.grad_accum
+                    # each token's loss (batch × seq), in fp32; / grad_accum: the gradient of the mean over the
+                    # micro-steps (the ranks' mean is DDP's or FSDP's)
+                    loss = model(x, y).mean() / args.grad_accum
                 scaler.scale(loss).backward()
                 loss_sum += loss.detach()
             scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
@@ -513,13 +601,14 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
             optimizer.zero_grad(set_to_none=True)
             steps_since_log += 1
             done = step + 1 == args.max_steps
-            stopping = stop.agreed()  # a SIGTERM to any rank stops every rank after this same step
+            stopping = stop.agreed()  # a signal to any rank stops every rank after this same step
             saving = done or stopping or (args.save_every and (step + 1) % args.save_every == 0)
             if (step + 1) % args.log_every == 0 or done or saving:
                 dist.all_reduce(loss_sum)  # every rank's sequences (gloo has no AVG: sum, then divide)
                 loss = loss_sum.item() / (world_size * steps_since_log)  # the one host sync of the interval
-                elapsed = time.perf_counter() - started
-                tokens_per_s = steps_since_log * global_batch * args.seq_len / elapsed
+                now = time.perf_counter()
+                tokens_per_s = steps_since_log * global_batch * args.seq_len / (now - started)
+                started = now  # all that follows counts in the next interval: a save's copy to CPU memory too
                 # fp16: an infinite gradient is the scaler's to handle (it skips the step, lowers the scale)
                 if not (math.isfinite(loss) and (scaler.is_enabled() or math.isfinite(grad_norm.item()))
                         and (not saving or weights_are_finite(model))):
@@ -537,7 +626,8 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
                 if peak:
                     record["mfu"] = tokens_per_s * gpt.flops_per_token() / (world_size * peak)
                     line += f" | mfu {record['mfu']:.1%}"
-                log(record, line)
+                memory, words = peak_memory(device)
+                log({**record, **memory}, f"{line} | {words}")
                 loss_sum.zero_()
                 steps_since_log = 0
             if (step + 1) % args.eval_every == 0 or done:
@@ -547,10 +637,21 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
                 if tokens.floor is not None:
                     record["floor"] = tokens.floor
                     line += f" | floor {tokens.floor:.4f} ({val_loss / tokens.floor:.3f} × floor)"
-                log(record, line)
+                memory, words = peak_memory(device)
+                log({**record, **memory}, f"{line} | {words}")
                 started += time.perf_counter() - eval_started  # evaluation is not training time
             if saving:
                 save(step + 1)
+            profiled_step.close()
+            if profiler and step + 1 == args.profile[1]:
+                profiler.stop()
+                path = os.path.join(args.out_dir, "profile", f"steps_{args.profile[0]}-{step + 1}_rank{rank}.json")
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                profiler.export_chrome_trace(path)
+                profiler = None
+                if rank == 0:
+                    print(f"profile of steps {args.profile[0]} to {step + 1}: {path}, one file per rank (open it in "
+                          "https://ui.perfetto.dev)", flush=True)
             if stopping:
                 checkpoints.wait()  # inside torchrun's shutdown window (30 s), then out
                 if rank == 0:
@@ -558,11 +659,13 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
                           f"{os.path.join(args.out_dir, checkpoints.committed()[-1])}; the same command resumes",
                           flush=True)
                 return stop.number  # no model: --export asks for the one at --max_steps
-            if steps_since_log == 0:
-                started = time.perf_counter()
         checkpoints.wait()
     finally:
         stop.restore()
+        if profiler:  # a run stopped inside the traced steps: no trace
+            profiler.stop()
+        gc.enable()
+        gc.unfreeze()
         if metrics:
             metrics.close()
     return model

@@ -116,8 +116,8 @@ def test_the_proof_fails_without_the_gradient_reduction(parallel):
 
 DOCUMENTED = "torchrun --standalone --nproc-per-node 2 gpt/train.py --model tiny"  # docs/gpt_job.md
 VAL_LINE = re.compile(r"^step (\d+) \| val_loss ([\d.]+)(?: \| floor ([\d.]+))?", re.MULTILINE)
-LOG_LINE = re.compile(r"^step (\d+) \| loss ([\d.]+) \| lr ([\d.e+-]+) \| grad_norm ([\d.]+) \| ([\d,]+) tok/s$",
-                      re.MULTILINE)
+LOG_LINE = re.compile(r"^step (\d+) \| loss ([\d.]+) \| lr ([\d.e+-]+) \| grad_norm ([\d.]+) \| ([\d,]+) tok/s "
+                      r"\| mem ([\d.]+) GiB \(rss\)$", re.MULTILINE)
 
 
 def import_gpt_train():
@@ -145,10 +145,13 @@ def test_the_documented_run_reaches_the_floor_and_metrics_hold_what_the_lines_pr
     assert [r["step"] for r in logged] == list(range(10, 301, 10))
     lines = LOG_LINE.findall(stdout)
     assert len(lines) == len(logged)
-    for (step, loss, lr, grad_norm, tokens_per_s), record in zip(lines, logged, strict=True):
-        assert int(step) == record["step"] and set(record) == {"step", "loss", "lr", "grad_norm", "tokens_per_s"}
+    for (step, loss, lr, grad_norm, tokens_per_s, memory), record in zip(lines, logged, strict=True):
+        assert int(step) == record["step"] and set(record) == {"step", "loss", "lr", "grad_norm", "tokens_per_s",
+                                                              "peak_rss_gib"}
         assert loss == f"{record['loss']:.4f}" and lr == f"{record['lr']:.2e}"
         assert grad_norm == f"{record['grad_norm']:.3f}" and tokens_per_s == f"{record['tokens_per_s']:,.0f}"
+        assert memory == f"{record['peak_rss_gib']:.2f}" and 0.05 < record["peak_rss_gib"] < 4  # a torch process
+    assert all("peak_rss_gib" in r for r in records)  # the evaluations' records too
     evals = [r for r in records if "val_loss" in r]
     assert [(str(r["step"]), f"{r['val_loss']:.4f}", f"{r['floor']:.4f}") for r in evals] == VAL_LINE.findall(stdout)
 
@@ -208,7 +211,6 @@ def test_every_documented_gpt_command_passes_options_train_py_accepts():
 
 
 @pytest.mark.parametrize(("argv", "error"), [
-    (["--parallel", "fsdp", "--precision", "fp16"], "--precision fp16 needs --parallel ddp"),
     (["--data", "no/such/file.txt"], "error: --data no/such/file.txt: no such file"),
     (["--seq_len", "200000"], "error: --data synthetic: the val split holds 32768 tokens, fewer than --seq_len"),
     (["--data", "{text}", "--vocab_size", "100"], "is outside the vocab of 100: set --vocab_size"),
@@ -244,20 +246,21 @@ def test_values_that_would_fail_later_with_a_traceback_are_refused_by_the_parser
 
 
 def hang_up(rank: int, world_size: int) -> tuple:
-    """A StopRequest of a group of one, before and after a SIGHUP to this process; then one started
-    with SIGHUP ignored, as nohup starts a command."""
+    """A StopRequest of a group of one, at three step ends: before a SIGHUP to this process, the
+    first after it (which reads the agreement started before it), the second; then the same with
+    SIGHUP ignored, as nohup starts a command."""
     stop = import_gpt_train().StopRequest(None)
     try:
         before = stop.agreed()
         os.kill(os.getpid(), signal.SIGHUP)
-        stopped = stop.agreed(), stop.name
+        stopped = stop.agreed(), stop.agreed(), stop.name
     finally:
         stop.restore()
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     stop = import_gpt_train().StopRequest(None)
     try:
         os.kill(os.getpid(), signal.SIGHUP)
-        return before, *stopped, stop.agreed()
+        return before, *stopped, stop.agreed() or stop.agreed()
     finally:
         stop.restore()
 
@@ -265,9 +268,10 @@ def hang_up(rank: int, world_size: int) -> tuple:
 def test_a_sighup_stops_the_run_as_sigterm_does():
     """A closed terminal or ssh session sends SIGHUP, and torchrun passes it on to its workers: it is a
     stop request (the run saves the step in flight), not the default death without a save; but a run
-    started under nohup keeps running."""
+    started under nohup keeps running. The agreement lags one step (StopRequest): the end of the step
+    after the signal stops."""
     results, _ = spawn(hang_up, 1, timeout=60)
-    assert results[0] == (False, True, "SIGHUP", False)  # under nohup it stays ignored
+    assert results[0] == (False, False, True, "SIGHUP", False)  # under nohup it stays ignored
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
@@ -397,3 +401,43 @@ def test_bench_compares_a_resumed_run_with_a_fresh_one():
     assert result.returncode == 0, result.stderr
     assert re.search(r"^ +resumed at step 12: [\d,]+ tokens/s against [\d,]+ for the same steps of a fresh run$",
                      result.stdout, re.MULTILINE), result.stdout
+
+
+def fp16_inf_on_one_rank(rank: int, world_size: int, parallel: str, local_check: bool) -> tuple[float, bool]:
+    """One fp16 step in which one gradient entry is inf on the last rank alone, after the reduction
+    (as when a sum overflows into one rank's shard); returns (the scaler's new scale, whether this
+    rank's weights changed). local_check: the inf check as it would be without DTensor's handler in
+    torch/distributed/tensor/_dispatch.py (found_inf_reduce_handler), each rank on its own shard."""
+    from torch.distributed.tensor import DTensor
+    gpt_train = import_gpt_train()
+    args = gpt_train.parse_args(["--parallel", parallel, "--precision", "fp16", "--seq_len", "16"])
+    if local_check:
+        def each_rank_alone(op_call, op_args, kwargs):
+            grads, found_inf, inv_scale = op_args
+            op_call([g.to_local() for g in grads], found_inf, inv_scale)
+        op = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
+        DTensor._op_dispatcher._custom_op_handlers[op] = each_rank_alone
+    model = gpt_train.build(args, GPTConfig(vocab_size=64, seq_len=16, **CONFIGS["tiny"]), world_size,
+                            torch.device("cpu"))
+    optimizer = gpt_train.make_optimizer(model, args, torch.device("cpu"))
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
+    scaler.scale(model(x, x).mean()).backward()
+    if rank == world_size - 1:
+        model.blocks[0].mlp.fc.weight.grad.to_local().view(-1)[0] = math.inf  # this rank's shard only
+    before = [p.to_local().clone() for p in model.parameters()]
+    scaler.step(optimizer)
+    scaler.update()
+    return scaler.get_scale(), any(not torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters(),
+                                                                                  strict=True))
+
+
+@pytest.mark.parametrize("parallel", ["fsdp", "hsdp"])
+def test_fp16_under_fsdp_every_rank_skips_the_step_that_one_ranks_shard_overflowed(parallel):
+    """GradScaler's inf check over DTensor gradients is all-reduced by DTensor's dispatch, so every
+    rank skips the step and lowers the scale alike (hsdp at 2 ranks: one shard group, no replicas);
+    with each rank checking only its own shard they would disagree, and the test sees it."""
+    results, _ = spawn(fp16_inf_on_one_rank, 2, parallel, False, timeout=90)
+    assert results == [(2.0**15, False)] * 2  # the default scale 2**16, halved; no weight moved
+    results, _ = spawn(fp16_inf_on_one_rank, 2, parallel, True, timeout=90)
+    assert results == [(2.0**16, True), (2.0**15, False)]  # rank 0 stepped, rank 1 skipped: the replicas part

@@ -301,3 +301,15 @@ def test_a_kill_9_of_torchrun_stops_its_workers_which_save_the_step_in_flight(tm
         os.kill(pid, signal.SIGKILL)
     assert not alive, f"workers {alive} outlived torchrun"
     assert any(name.startswith("step_") for name in os.listdir(tmp_path / "out"))  # the step in flight, saved
+
+
+def test_the_time_a_save_takes_on_the_training_path_counts_in_the_tokens_per_second(tmp_path):
+    """tests/gpt_slow_save.py adds 1 s to every save's part on the training path: the log interval that
+    follows a save took at least that long, so its tokens/s is at most its tokens over 1 s (a bound,
+    not a timing: a sleep lasts at least what it asks). Red when the save is left out of the interval."""
+    result = torchrun_in_process(2, "gpt_slow_save.py", *ARGV, *split(2), "--max_steps", "8", cwd=tmp_path,
+                                 timeout=60)
+    assert result.codes == [0, 0], result.stderr
+    logged = {r["step"]: r["tokens_per_s"] for r in records(tmp_path) if "tokens_per_s" in r}
+    tokens_per_step = 12 * 32  # ARGV's global batch of 12 sequences of 32 tokens
+    assert logged[5] <= tokens_per_step / 1.0  # step 5's interval holds the save of step 4
