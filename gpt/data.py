@@ -12,8 +12,8 @@ Three sources, each a pair of 1-D arrays of token ids (train, val):
     magic 20240520 version 1, uint16 (GPT-2's tokenizer); magic 20240801 version 7, uint32 (llm.c's
     Llama 3). A file is taken for one when its first int32 is a magic.
   - raw ids, as nanoGPT's prepare.py writes train.bin and val.bin: uint16, or uint32 with
-    --data_dtype uint32. Nothing in the file says its width, and uint32 ids read as uint16 pass any
-    vocab check (docs/pitfalls.md): only the flag can say it.
+    --data_dtype uint32. Nothing in the file says its width, and uint32 ids read as uint16 are all
+    below 65,536: with a vocab past that (Llama 3's 128,256) no id check can tell. Only the flag says it.
   Refused in one line that names the file, before any step: a file without a magic beside files
   with one (a damaged magic, or a stray file), shards of two widths, an unknown version, a width that
   contradicts --data_dtype, a token count that disagrees with the file's size (a truncated file), a
@@ -21,8 +21,9 @@ Three sources, each a pair of 1-D arrays of token ids (train, val):
   width: uint32 data of a larger vocab is refused by the id check until --vocab_size says it.
 
 Every id must fit the vocab, which takes a read of the whole data: each file's largest id is kept
-in OUT_DIR/data_check.json under its real path, size, mtime and format, so a restart or resume with
-that OUT_DIR reads no data, and a file changed since (another size or mtime) is read again.
+in OUT_DIR/data_check.json under its real path, inode, size, mtime, ctime and format, so a restart
+or resume with that OUT_DIR reads no data, and a file changed since is read again (a write changes
+its ctime, which no tool can set back, even where one restores the size and mtime).
 
 The batch of step s is drawn from (seed, s) alone: the whole global batch is drawn, then split
 among ranks and micro-steps. So what is trained does not depend on the world size or on
@@ -33,6 +34,7 @@ import glob
 import itertools
 import json
 import os
+import resource
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,6 +132,8 @@ def load(spec: str, vocab_size: int | None = None, dtype: str | None = None) -> 
     if os.path.isdir(spec):
         return _folder(spec, vocab_size, dtype)
     text = _token_file(spec, "uint8", text=True)
+    if len(text.tokens) >= 4 and int.from_bytes(bytes(text.tokens[:4]), "little", signed=True) in HEADERS:
+        raise ValueError(f"--data {spec}: one of llm.c's shards, not text: give the folder that holds it")
     cut = len(text.tokens) * 9 // 10
     return Tokens(text.tokens[:cut], text.tokens[cut:], vocab_size or 256, None, spec, [text])
 
@@ -144,8 +148,13 @@ def _folder(folder: str, vocab_size: int | None, dtype: str | None) -> Tokens:
     both = sorted(set(found["train"]) & set(found["val"]))
     if both:
         raise ValueError(f"--data {both[0]}: its name says both train and val")
+    _enough_descriptors(folder, len(found["train"]) + len(found["val"]))
     files = {split: [_token_file(path, dtype) for path in paths] for split, paths in found.items()}
     every = files["train"] + files["val"]
+    for i, f in enumerate(every):
+        twin = next((g for g in every[:i] if g.real == f.real), None)
+        if twin:  # a link, e.g. val.bin -> train.bin: it would validate on the training tokens, or train twice
+            raise ValueError(f"--data {f.path}: the same file as {twin.path}")
     headed = [f for f in every if f.format.startswith("llm.c")]
     for f in every:
         # A damaged magic is read as raw ids: among shards with a header, it is refused, not trained on.
@@ -157,6 +166,20 @@ def _folder(folder: str, vocab_size: int | None, dtype: str | None) -> Tokens:
                              "a folder's .bin files hold ids of one width")
     train, val = (split[0].tokens if len(split) == 1 else Shards([f.tokens for f in split]) for split in files.values())
     return Tokens(train, val, vocab_size or GPT2_VOCAB, None, folder, every)
+
+
+def _enough_descriptors(folder: str, count: int) -> None:
+    """Room for a memory map per file, each of which holds a file descriptor open for the run: a
+    folder of 1,000 shards (FineWeb's 100B) would pass the common soft limit of 1,024. Raised up to
+    the hard limit, as any process may; past it, one line."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = count + 512  # and the rest: torch, gloo's sockets, DCP's files
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise ValueError(f"--data {folder}: {count} files need about {need} open files, above the hard limit "
+                         f"of {hard} (ulimit -Hn): raise it, or join the shards into fewer files")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
 def _token_file(path: str, dtype: str | None, text: bool = False) -> TokenFile:
@@ -178,7 +201,8 @@ def _token_file(path: str, dtype: str | None, text: bool = False) -> TokenFile:
         if size % np.dtype(name).itemsize:
             raise ValueError(f"--data {path}: {size} bytes is not a whole number of {name} token ids")
         tokens, form = np.memmap(path, dtype=name, mode="r"), f"{'text' if text else 'raw'} {name}"
-    key = {"size": size, "mtime_ns": stat.st_mtime_ns, "format": form}
+    key = {"size": size, "mtime_ns": stat.st_mtime_ns, "ctime_ns": stat.st_ctime_ns, "inode": stat.st_ino,
+           "format": form}
     return TokenFile(path, tokens, form, os.path.realpath(path), key)
 
 

@@ -4,8 +4,8 @@
     python gpt/gpu_check.py --only fp16 sigterm     # some of them
     python gpt/gpu_check.py --dry_run               # the commands it would run (any machine)
 
-Each check runs train.py under torchrun with one process (NCCL at world size 1: the same code path
-as 8 GPUs, less the traffic), reads what it printed and its metrics.jsonl, and prints one line:
+Each check runs train.py under torchrun with one process (NCCL at world size 1: the CUDA code paths,
+not several GPUs' traffic, binding or sharding), reads what it printed and its metrics.jsonl, and prints one line:
 PASS or FAIL, with its figures. The exit status is 1 if any failed. The checks:
 
     ddp, fsdp   GPT-2 124M, bf16, --compile, 50 steps on random tokens of GPT-2's vocabulary:
@@ -101,6 +101,8 @@ def check(name: str, runs: list[list[str]], out: str, timeout: float) -> tuple[b
         deadline = time.monotonic() + timeout
         while "step 30 |" not in open(logs[0]).read() and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
+        if process.poll() is not None:
+            return False, f"train.py ended before step 30 (see {logs[0]})"
         os.kill(process.pid, signal.SIGTERM)  # to torchrun, which passes it on, as Slurm's --signal does
         first = finish(process, logs[0], 60)
         stopped = re.search(r"stopped by SIGTERM after step (\d+): saved", first)
@@ -125,6 +127,8 @@ def check(name: str, runs: list[list[str]], out: str, timeout: float) -> tuple[b
     if name == "fp16":
         losses = [r["loss"] for r in logged]
         return losses[-1] < losses[0] - 0.5, f"loss {losses[0]:.3f} to {losses[-1]:.3f}, peak {memory:.2f} GiB"
+    if not os.path.isdir(os.path.join(out_dir, "profile")):
+        return False, f"no trace (see {logs[0]})"
     traces = [os.path.join(out_dir, "profile", f) for f in os.listdir(os.path.join(out_dir, "profile"))]
     waits = host_waits(traces[0])
     elsewhere = {step: n for step, n in waits.items() if step != "step 12" and n}
@@ -162,8 +166,10 @@ def main() -> None:
         started = time.monotonic()
         try:
             passed, seen = check(name, argvs, args.out, args.timeout)
-        except subprocess.TimeoutExpired:
-            passed, seen = False, f"timed out after {args.timeout:.0f} s"
+        except subprocess.TimeoutExpired as error:
+            passed, seen = False, f"timed out after {error.timeout:.0f} s"
+        except Exception as error:  # a check that breaks is a FAIL, and the others still run
+            passed, seen = False, f"{type(error).__name__}: {error}"
         failed += not passed
         print(f"{'PASS' if passed else 'FAIL'} {name:8} {time.monotonic() - started:5.0f} s  {seen}", flush=True)
     sys.exit(1 if failed else 0)

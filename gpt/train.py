@@ -2,8 +2,8 @@
 
     torchrun --standalone --nproc-per-node 2 gpt/train.py --model tiny        # 2 CPU cores, ~10 s
     torchrun --standalone --nproc-per-node 8 gpt/train.py --model gpt2 --data DIR --seq_len 1024 \\
-        --batch_size 16 --grad_accum 4 --precision bf16 --compile --parallel fsdp
-    python gpt/train.py --model tiny --grad_accum 2                           # the same, one process
+        --batch_size 16 --grad_accum 4 --precision bf16 --compile --parallel ddp
+    python gpt/train.py --model tiny --grad_accum 2 --out_dir out/one         # the same, one process
 
 Steps, not epochs: the batch of step s is drawn from (--seed, s) and split among the ranks, so the
 run is the same at any world size with the same global batch (--batch_size × --grad_accum × ranks),
@@ -89,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight_decay", type=float, default=0.1, help="AdamW's, on matrices only")
     p.add_argument("--grad_clip", type=float, default=1.0, help="clip the gradient's global norm to this; 0: never")
     p.add_argument("--precision", choices=DTYPES, default="fp32", help="the compute dtype; weights stay fp32")
-    p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block, and the head with its loss")
     p.add_argument("--seed", type=int, default=0, help="the initial weights and the order of the batches")
     p.add_argument("--log_every", type=int, default=10, help="steps per log line (1: every step)")
     p.add_argument("--eval_every", type=int, default=100, help="steps between evaluations (and at the end)")
@@ -101,7 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", type=int, default=2, help="checkpoints kept; older ones are deleted")
     p.add_argument("--export", help="write the whole model here at the end, for GPT.load (gpt/model.py)")
     p.add_argument("--peak_tflops", type=float, help="the GPU's peak, for MFU (default: from its name)")
-    p.add_argument("--timeout", type=float, help="seconds a collective may wait (default: torch's, 10 min on nccl)")
+    p.add_argument("--timeout", type=float, help="seconds a collective may wait (default: torch's, 10 min on\n"
+                                                       "nccl, 30 on gloo); also the saves' and the stop's waits "
+                                                       "(default 30 min)")
     p.add_argument("--profile", type=steps_range, metavar="A:B", help="write a torch.profiler trace of steps A to B "
                                                                       "per rank to OUT_DIR/profile (Perfetto opens it)")
     args = p.parse_args(argv)
@@ -120,6 +122,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("lr", "min_lr", "timeout"):
         if getattr(args, name) is not None and not getattr(args, name) < 1e7:
             p.error(f"--{name} must be below 1e7")
+    if args.profile and args.profile[1] > args.max_steps:
+        p.error(f"--profile {args.profile[0]}:{args.profile[1]} ends after --max_steps {args.max_steps}")
     if args.seed >= 2**64:
         p.error("--seed must be below 2**64 (torch.manual_seed's range)")
     if args.vocab_size is not None and args.data == "synthetic":
@@ -348,7 +352,9 @@ def check_input(args: argparse.Namespace, tokens: data.Tokens, rank: int, world_
                 largest[i] = n
         if max(largest) >= tokens.vocab_size:
             raise ValueError(f"--data {tokens.name}: token id {max(largest)} is outside the vocab of "
-                             f"{tokens.vocab_size}: set --vocab_size")
+                             f"{tokens.vocab_size}: set --vocab_size"
+                             + (", or --data_dtype uint32 if the files hold uint32 ids"
+                                if any(f.format == "raw uint16" for f in tokens.files) else ""))
     problem = [None, None]  # (what is wrong, the file rank 0 wrote)
     if rank == 0:
         try:
@@ -545,7 +551,6 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
     first_step = resume(args, checkpoints, model, optimizer, scaler, config, rank)
     if rank == 0:
         metrics = open_metrics(args.out_dir, first_step)
-    stop = StopRequest(args.timeout)
     if isinstance(model, DDP) and first_step < args.max_steps:
         starts = data.batch_starts(first_step, args.seed, len(tokens.train), args.seq_len, global_batch)
         settle_buckets(model, data.windows(tokens.train, starts[:args.batch_size], args.seq_len, device)[0], autocast)
@@ -570,9 +575,15 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
     gc.collect()
     gc.freeze()
     gc.disable()
+    # Traced: --profile's steps from this run's first (a resume may start inside them) to its last.
+    profile_from = max(args.profile[0], first_step + 1) if args.profile else 0
+    if rank == 0 and args.profile and profile_from > args.profile[1]:
+        print(f"no profile: this run starts at step {first_step + 1}, past --profile {args.profile[0]}:"
+              f"{args.profile[1]}", flush=True)
+    stop = StopRequest(args.timeout)  # its first agreement starts here: from now on, the finally below waits for it
     try:
         for step in range(first_step, args.max_steps):
-            if args.profile and step + 1 == args.profile[0]:
+            if args.profile and step + 1 == profile_from:
                 profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
                     [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []))
                 profiler.start()
@@ -601,7 +612,8 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
             optimizer.zero_grad(set_to_none=True)
             steps_since_log += 1
             done = step + 1 == args.max_steps
-            stopping = stop.agreed()  # a signal to any rank stops every rank after this same step
+            # a signal to any rank stops every rank after this same step; at --max_steps the run is done anyway
+            stopping = stop.agreed() and not done
             saving = done or stopping or (args.save_every and (step + 1) % args.save_every == 0)
             if (step + 1) % args.log_every == 0 or done or saving:
                 dist.all_reduce(loss_sum)  # every rank's sequences (gloo has no AVG: sum, then divide)
@@ -643,14 +655,14 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
             if saving:
                 save(step + 1)
             profiled_step.close()
-            if profiler and step + 1 == args.profile[1]:
+            if profiler and (step + 1 == args.profile[1] or stopping):  # a stop ends the trace too
                 profiler.stop()
-                path = os.path.join(args.out_dir, "profile", f"steps_{args.profile[0]}-{step + 1}_rank{rank}.json")
+                path = os.path.join(args.out_dir, "profile", f"steps_{profile_from}-{step + 1}_rank{rank}.json")
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 profiler.export_chrome_trace(path)
                 profiler = None
                 if rank == 0:
-                    print(f"profile of steps {args.profile[0]} to {step + 1}: {path}, one file per rank (open it in "
+                    print(f"profile of steps {profile_from} to {step + 1}: {path}, one file per rank (open it in "
                           "https://ui.perfetto.dev)", flush=True)
             if stopping:
                 checkpoints.wait()  # inside torchrun's shutdown window (30 s), then out
@@ -662,7 +674,7 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
         checkpoints.wait()
     finally:
         stop.restore()
-        if profiler:  # a run stopped inside the traced steps: no trace
+        if profiler:  # a run that failed inside the traced steps: no trace
             profiler.stop()
         gc.enable()
         gc.unfreeze()

@@ -236,6 +236,9 @@ def test_bad_input_gets_one_line_and_a_non_zero_exit(argv, error, text_file):
     (["--lr", "1e30"], "--lr must be below 1e7"),
     (["--timeout", "1e15"], "--timeout must be below 1e7"),
     (["--seed", str(2**64)], "--seed must be below 2**64"),
+    (["--profile", "5:3"], "'5:3' is not A:B with 1 <= A <= B"),
+    (["--profile", "0:1"], "'0:1' is not A:B with 1 <= A <= B"),
+    (["--profile", "290:310"], "--profile 290:310 ends after --max_steps 300"),  # a trace of the whole run, thrown away
 ])
 def test_values_that_would_fail_later_with_a_traceback_are_refused_by_the_parser(argv, error, capsys):
     """nan passes `< 0` checks; an lr past float32's range fails in Adam's first step; a seed of 2**64
@@ -372,7 +375,8 @@ def test_a_bad_token_anywhere_stops_every_rank_before_any_step(split, tmp_path):
     result = torchrun_in_process(3, TRAIN, "--data", str(tmp_path), "--vocab_size", "256", "--max_steps", "1",
                                  cwd=tmp_path, timeout=60)
     assert result.codes == [1, 1, 1], result.stderr
-    said = f"error: --data {tmp_path}: token id 300 is outside the vocab of 256: set --vocab_size"
+    said = f"error: --data {tmp_path}: token id 300 is outside the vocab of 256: set --vocab_size, or --data_dtype " \
+        "uint32 if the files hold uint32 ids"
     assert result.stderr.strip() == said
     assert not (tmp_path / "out").exists()  # stopped before anything was written
 

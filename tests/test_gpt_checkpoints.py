@@ -313,3 +313,17 @@ def test_the_time_a_save_takes_on_the_training_path_counts_in_the_tokens_per_sec
     logged = {r["step"]: r["tokens_per_s"] for r in records(tmp_path) if "tokens_per_s" in r}
     tokens_per_step = 12 * 32  # ARGV's global batch of 12 sequences of 32 tokens
     assert logged[5] <= tokens_per_step / 1.0  # step 5's interval holds the save of step 4
+
+
+@pytest.mark.parametrize(("signal_at", "stopped_after"), [(5, None), (4, 5)])
+def test_a_signal_in_the_last_two_steps_lets_the_run_finish_and_export(signal_at, stopped_after, tmp_path):
+    """SIGTERM as step 5 of 6 starts is agreed at the end of step 6: the run is done there, so it ends as
+    any run does (exit 0, --export written), not as a stop; one noted a step earlier stops after step 5."""
+    result = torchrun_in_process(1, "gpt_late_signal.py", *ARGV, *split(1), "--max_steps", "6", "--export", "model.pt",
+                                 cwd=tmp_path, env={"SIGNAL_AT": str(signal_at)}, timeout=60)
+    stopped = re.findall(r"stopped by SIGTERM after step (\d+)", result.stdout)
+    if stopped_after is None:
+        assert result.codes == [0] and not stopped and (tmp_path / "model.pt").exists(), result.stdout
+    else:
+        assert result.codes == [128 + signal.SIGTERM] and stopped == [str(stopped_after)], result.stdout
+        assert not (tmp_path / "model.pt").exists()

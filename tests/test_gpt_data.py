@@ -5,7 +5,10 @@ written; the id check reads the data once per OUT_DIR, and again only where a fi
 The runs go through tests/harness.torchrun_in_process, as tests/test_gpt.py's do."""
 import json
 import os
+import resource
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -118,6 +121,7 @@ DAMAGED = {
     "uint32 among uint16": "llm.c uint32 ids where {folder}/x_train_000.bin holds llm.c uint16: a folder's .bin "
                            "files hold ids of one width",
     "contradicted flag": "its header says uint16 ids, not --data_dtype uint32",
+    "a link to another": "the same file as {folder}/x_train_000.bin",
 }
 
 
@@ -147,6 +151,9 @@ def test_a_damaged_file_is_one_line_naming_it_and_nothing_is_written(damage, tmp
         bad.write_bytes(bad.read_bytes() + b"\0")
     elif damage in ("uint32 among uint16", "contradicted flag"):
         (uint32 if damage == "uint32 among uint16" else llmc)(bad, GOOD)
+    elif damage == "a link to another":  # a shard listed twice would be trained twice (or val on train's)
+        bad.unlink()
+        bad.symlink_to(folder / "x_train_000.bin")
     result = torchrun_in_process(1, TRAIN, "--data", str(folder), *argv, "--vocab_size", "256", "--max_steps", "1",
                                  cwd=tmp_path, timeout=60)
     assert result.codes == [1], result.stderr
@@ -162,12 +169,25 @@ def test_data_dtype_is_refused_for_a_text_file(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_one_of_llmcs_shards_given_as_a_file_is_not_read_as_text(tmp_path):
+    llmc(tmp_path / "fineweb_train_000001.bin", GOOD)
+    result = torchrun_in_process(1, TRAIN, "--data", "fineweb_train_000001.bin", cwd=tmp_path, timeout=60)
+    assert result.codes == [1] and result.stderr.strip() == "error: --data fineweb_train_000001.bin: one of llm.c's " \
+                                                            "shards, not text: give the folder that holds it"
+    assert not (tmp_path / "out").exists()
+
+
 def start(folder: Path) -> object:
-    """2 ranks to step 2 on the folder's raw train.bin and val.bin, OUT_DIR folder/out: a second start
-    resumes at step 2 and trains nothing, so all it does with the data is the id check."""
-    return torchrun_in_process(2, TRAIN, "--data", str(folder), "--vocab_size", "256", "--max_steps", "2",
-                               "--seq_len", "32", "--val_tokens", "64", "--out_dir", str(folder / "out"), cwd=folder,
-                               timeout=60)
+    """2 ranks to step 2 on the folder's raw train.bin and val.bin, OUT_DIR folder/out, each rank saying
+    each read of a file's ids (tests/gpt_count_reads.py): a second start resumes at step 2 and trains
+    nothing, so all it does with the data is the id check."""
+    return torchrun_in_process(2, "gpt_count_reads.py", "--data", str(folder), "--vocab_size", "256", "--max_steps",
+                               "2", "--seq_len", "32", "--val_tokens", "64", "--out_dir", str(folder / "out"),
+                               cwd=folder, timeout=60)
+
+
+def reads(result) -> list[str]:
+    return [line for stdout in result.stdouts for line in stdout.splitlines() if line.startswith("[read]")]
 
 
 def plant(path: Path, tokens: np.ndarray, mtime_ns: int) -> None:
@@ -177,36 +197,63 @@ def plant(path: Path, tokens: np.ndarray, mtime_ns: int) -> None:
 
 
 def test_a_second_start_reads_no_data(tmp_path):
-    """The check is kept in OUT_DIR; then an id past the vocab is written into train.bin, in rank 1's
-    half, keeping the file's size and mtime: the next start does not read it, so it never sees the
-    id (a start that read it would stop with one line, as a changed file does below)."""
+    """The first start reads each file (each rank its share) and keeps what it found in OUT_DIR under
+    the file's identity; the second reads nothing."""
     for split in ("train", "val"):
         GOOD.astype(np.uint16).tofile(tmp_path / f"{split}.bin")
     first = start(tmp_path)
     assert first.codes == [0, 0], first.stderr
+    assert reads(first) == ["[read] 3000 ids"] * 4  # 2 files, on each of 2 ranks
     kept = json.loads((tmp_path / "out" / CHECKED).read_text())
     stat = os.stat(tmp_path / "train.bin")
-    assert kept[os.path.realpath(tmp_path / "train.bin")] == {"size": 6000, "mtime_ns": stat.st_mtime_ns,
-                                                              "format": "raw uint16", "largest": 255}
-    plant(tmp_path / "train.bin", np.where(np.arange(3000) == 2999, 300, GOOD), stat.st_mtime_ns)
+    assert kept[os.path.realpath(tmp_path / "train.bin")] == {
+        "size": 6000, "mtime_ns": stat.st_mtime_ns, "ctime_ns": stat.st_ctime_ns, "inode": stat.st_ino,
+        "format": "raw uint16", "largest": 255}
     second = start(tmp_path)
     assert second.codes == [0, 0], second.stderr
-    assert "resuming from" in second.stdouts[0] and "outside the vocab" not in second.stderr
+    assert "resuming from" in second.stdouts[0] and reads(second) == []
 
 
-@pytest.mark.parametrize("change", ["mtime", "size"])
+@pytest.mark.parametrize("change", ["mtime", "size", "content, size and mtime restored"])
 def test_a_file_changed_since_is_read_again(change, tmp_path):
     """An id past the vocab written into val.bin after a first start: with a new mtime and the same
-    size, or with one more id and the old mtime. Either is read again, and the id found."""
+    size, with one more id and the old mtime, or with the same size and the old mtime (its ctime says
+    it). Each is read again, and the id found."""
     for split in ("train", "val"):
         GOOD.astype(np.uint16).tofile(tmp_path / f"{split}.bin")
     assert start(tmp_path).codes == [0, 0]
     mtime_ns = os.stat(tmp_path / "val.bin").st_mtime_ns
     if change == "mtime":
         plant(tmp_path / "val.bin", np.where(np.arange(3000) == 10, 300, GOOD), mtime_ns + 10**9)
-    else:
+    elif change == "size":
         plant(tmp_path / "val.bin", np.append(GOOD, 300), mtime_ns)
+    else:
+        time.sleep(0.01)  # a ctime that differs on a file system with coarse timestamps
+        plant(tmp_path / "val.bin", np.where(np.arange(3000) == 10, 300, GOOD), mtime_ns)
     again = start(tmp_path)
     assert again.codes == [1, 1], again.stderr
-    said = f"error: --data {tmp_path}: token id 300 is outside the vocab of 256: set --vocab_size"
+    assert reads(again) == [f"[read] {3001 if change == 'size' else 3000} ids"] * 2  # val.bin only, on each rank
+    said = f"error: --data {tmp_path}: token id 300 is outside the vocab of 256: set --vocab_size, or --data_dtype " \
+        "uint32 if the files hold uint32 ids"
     assert again.stderr.strip() == said
+
+
+@pytest.mark.parametrize(("hard", "said"), [(4096, None), (300, "above the hard limit of 300 (ulimit -Hn)")])
+def test_a_folder_of_more_shards_than_open_files_allowed_raises_the_limit_or_says_so(hard, said, tmp_path):
+    """Each shard's memory map keeps a file descriptor open: 60 shards under a soft limit of 64 (FineWeb's
+    1,000 under the common 1,024) raise it to what they need, up to the hard limit; past that, one line."""
+    for i in range(60):
+        llmc(tmp_path / f"s_train_{i:03d}.bin", GOOD)
+    llmc(tmp_path / "s_val.bin", GOOD)
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+
+    result = subprocess.run([sys.executable, str(REPO / TRAIN), "--data", str(tmp_path), "--vocab_size", "256",
+                             "--max_steps", "2", "--seq_len", "32", "--val_tokens", "64", "--out_dir",
+                             str(tmp_path / "out")], capture_output=True, text=True, preexec_fn=limited, timeout=120)
+    if said is None:
+        assert result.returncode == 0, result.stderr[-2000:]
+    else:
+        assert result.returncode == 1 and result.stderr.strip() == f"error: --data {tmp_path}: 61 files need about " \
+            f"573 open files, {said}: raise it, or join the shards into fewer files"

@@ -68,3 +68,16 @@ def test_a_recompilation_between_the_first_and_last_log_lines_is_found():
               "Recompiling function forward (evaluation: allowed)"]
     assert recompiles_after_first_log("\n".join(output)) == [output[3]]
     assert recompiles_after_first_log("\n".join(output[:3] + output[4:])) == []
+
+
+def test_a_resume_inside_the_profiled_steps_traces_the_rest_and_one_past_them_says_so(tmp_path):
+    argv = ("--seq_len", "16", "--log_every", "2", "--eval_every", "100", "--val_tokens", "64", "--out_dir", "out")
+    first = torchrun_in_process(1, "gpt/train.py", *argv, "--max_steps", "4", cwd=tmp_path, timeout=60)
+    assert first.codes == [0], first.stderr
+    inside = torchrun_in_process(1, "gpt/train.py", *argv, "--max_steps", "8", "--profile", "3:6", cwd=tmp_path,
+                                 timeout=60)
+    assert inside.codes == [0], inside.stderr
+    assert host_waits(str(tmp_path / "out" / "profile" / "steps_5-6_rank0.json")) == {"step 5": 0, "step 6": 0}
+    past = torchrun_in_process(1, "gpt/train.py", *argv, "--max_steps", "10", "--profile", "3:6", cwd=tmp_path,
+                               timeout=60)
+    assert past.codes == [0] and "no profile: this run starts at step 9, past --profile 3:6" in past.stdouts[0]

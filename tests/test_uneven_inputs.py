@@ -158,11 +158,14 @@ def without_join(rank: int, world_size: int) -> None:
 
 def test_without_join_the_ranks_with_batches_left_wait_in_vain():
     """Rank 0 runs out after 15 steps and goes on to the broadcast after the epoch; rank 1 waits in the
-    all-reduce of its 16th step. Neither call is ever answered: both give up at the timeout."""
+    all-reduce of its 16th step. Neither call is ever answered: the first rank to wait gives up at the
+    timeout, and the other at its own timeout or, if the first has closed its connections by then (a
+    machine under load can start the two waits far apart), when its peer goes."""
     codes, _, stdouts, stderrs = run_ranks(without_join, 2, timeout=60)
     assert codes == [1, 1], stderrs
     for stderr, waiting_in in zip(stderrs, ("broadcast_object_list", "backward"), strict=True):
-        assert waiting_in in stderr and "Timed out waiting 3000ms" in stderr, stderr
+        assert waiting_in in stderr and ("Timed out waiting 3000ms" in stderr or "Connection closed by peer" in stderr)
+    assert any("Timed out waiting 3000ms" in stderr for stderr in stderrs), stderrs
     assert all(epoch_losses(stdout) == {} for stdout in stdouts)
 
 

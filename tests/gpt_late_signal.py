@@ -1,0 +1,25 @@
+"""gpt/train.py that sends itself SIGTERM as step SIGNAL_AT (1-based) starts, for tests/test_gpt_checkpoints.py:
+the stop is agreed at the end of the step after it, which for the last two steps is --max_steps, where the
+run is done. main() is gpt/train.py's."""
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "gpt"))
+for name in ("model", "data", "train"):  # the root's model.py and data.py, preloaded: gpt/ has its own
+    sys.modules.pop(name, None)
+import train  # noqa: E402
+
+SIGNAL_AT = int(os.environ["SIGNAL_AT"])
+lr_at = train.lr_at
+
+
+def signalling_lr_at(step: int, args) -> float:
+    if step + 1 == SIGNAL_AT:  # lr_at(step) is the first thing each step does
+        os.kill(os.getpid(), signal.SIGTERM)
+    return lr_at(step, args)
+
+
+train.lr_at = signalling_lr_at
+main = train.main
