@@ -14,7 +14,7 @@ N × tokens/s at one rank: 100% is perfect scaling. On a CPU each rank gets core
 the comparison is fair; on GPUs each rank has its own device. Arguments after `--` go to train.py.
 --stop_agreement times instead a step of the model's own compute (no gradient all-reduce: the
 agreement's cost is not hidden behind it) alone, with a blocking all-reduce of the stop flag after
-every step (how train.py agreed before), and with train.StopRequest's, read a step after it starts.
+every step (how train.py agreed before), and with train.StopRequest's: asynchronous, about once a second.
 """
 import argparse
 import json
@@ -92,7 +92,7 @@ def stop_agreement(world_sizes: list[int], repeats: int, cores: int) -> None:
     steps = 200
     print(f"stop agreement: a step of the tiny model's compute ({steps} steps, slowest rank; median of {repeats}, "
           "min and max)")
-    print(f"{'ranks':>5} {'step alone':>12} {'+ blocking all-reduce (before)':>32} {'+ read a step later (after)':>30}")
+    print(f"{'ranks':>5} {'step alone':>12} {'+ blocking all-reduce (before)':>32} {'+ StopRequest (after)':>30}")
     for world_size in world_sizes:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                    str(world_size), os.path.abspath(__file__), "--stop_worker", str(steps), "--repeats", str(repeats)]

@@ -394,11 +394,15 @@ class StopRequest:
     torchrun; Linux's parent-death signal once per re-parenting): the second changes nothing.
     `kill -9` is the way to stop without saving.
 
-    The agreement costs no round trip per step: the all-reduce of each rank's flag starts at the
-    end of one step and is read at the end of the next, a step later, by when it has long arrived.
-    So a signal noted during step s stops every rank after step s + 1 (it arrives at most two steps
-    before the save: inside torchrun's 30 s for steps up to ~10 s). `blocking=True` is the old way,
-    an all-reduce waited for at every step, kept for gpt/bench.py's comparison."""
+    The agreement costs no round trip per step. One all-reduce (max) carries each rank's signal and
+    how many steps it proposes until the next agreement (about SECONDS of its steps, at most
+    MAX_STEPS; the fewest proposed wins); it starts at one agreement and is read at the next, by when
+    it has long arrived. Every rank reads the same numbers, so all agree after the same steps and
+    stop after the same one, at most two intervals after a signal: about 2 s (two steps, where a step
+    takes longer), inside torchrun's 30 s.
+    `blocking=True` is the old way, an all-reduce waited for after every step (gpt/bench.py compares)."""
+
+    SECONDS, MAX_STEPS = 1.0, 100
 
     def __init__(self, timeout: float | None, blocking: bool = False) -> None:
         self.signal, self.number, self.name, self.blocking = 0, 0, None, blocking
@@ -408,22 +412,33 @@ class StopRequest:
         # A signal ignored when the run starts stays ignored: under nohup, SIGHUP.
         self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
                          if signal.getsignal(sig) is not signal.SIG_IGN}
-        self.sent = None if blocking else self.send()  # read at the end of the first step
+        self.interval = self.steps_left = 1  # the first agreement: after the first step
+        self.since = time.perf_counter()
+        self.sent = None if blocking else self.send(1)
 
     def handle(self, signum: int, frame) -> None:
         self.signal = self.signal or signum
 
-    def send(self) -> tuple[torch.Tensor, dist.Work]:
-        flag = torch.tensor([self.signal], dtype=torch.int32)
-        return flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)  # any rank's
+    def send(self, steps: int) -> tuple[torch.Tensor, dist.Work]:
+        flag = torch.tensor([self.signal, -steps], dtype=torch.int64)  # max: any rank's signal, the fewest steps
+        return flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
 
     def agreed(self) -> bool:
-        """Whether every rank stops after this step: every rank calls it once per step, in step."""
-        flag, work = self.send() if self.blocking else self.sent
-        work.wait()  # started a step ago: done by now, unless a rank lags (then it waits, as any collective would)
-        if not self.blocking:
-            self.sent = self.send()  # this step's flags, read after the next step
-        self.number = int(flag)
+        """Whether every rank stops after this step: every rank calls it once after every step."""
+        if self.blocking:
+            flag, work = self.send(1)
+            work.wait()
+        else:
+            self.steps_left -= 1
+            if self.steps_left:
+                return False
+            flag, work = self.sent
+            work.wait()  # started an interval ago: long done, unless a rank lags (it waits, as any collective would)
+            now = time.perf_counter()
+            pace, self.since = (now - self.since) / self.interval, now  # this rank's seconds per step, lately
+            self.interval = self.steps_left = int(-flag[1])  # proposed an interval ago: the same on every rank
+            self.sent = self.send(max(1, min(self.MAX_STEPS, int(self.SECONDS / max(pace, 1e-6)))))
+        self.number = int(flag[0])
         self.name = signal.Signals(self.number).name if self.number else None
         return bool(self.number)
 

@@ -1,6 +1,5 @@
-"""gpt/train.py that sends itself SIGTERM as step SIGNAL_AT (1-based) starts, for tests/test_gpt_checkpoints.py:
-the stop is agreed at the end of the step after it, which for the last two steps is --max_steps, where the
-run is done. main() is gpt/train.py's."""
+"""gpt/train.py that sends itself SIGTERM as step SIGNAL_AT (1-based) starts, for tests/test_gpt_checkpoints.py.
+main() is gpt/train.py's."""
 import os
 import signal
 import sys

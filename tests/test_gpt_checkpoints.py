@@ -315,12 +315,13 @@ def test_the_time_a_save_takes_on_the_training_path_counts_in_the_tokens_per_sec
     assert logged[5] <= tokens_per_step / 1.0  # step 5's interval holds the save of step 4
 
 
-@pytest.mark.parametrize(("signal_at", "stopped_after"), [(5, None), (4, 5)])
-def test_a_signal_in_the_last_two_steps_lets_the_run_finish_and_export(signal_at, stopped_after, tmp_path):
-    """SIGTERM as step 5 of 6 starts is agreed at the end of step 6: the run is done there, so it ends as
-    any run does (exit 0, --export written), not as a stop; one noted a step earlier stops after step 5."""
-    result = torchrun_in_process(1, "gpt_late_signal.py", *ARGV, *split(1), "--max_steps", "6", "--export", "model.pt",
-                                 cwd=tmp_path, env={"SIGNAL_AT": str(signal_at)}, timeout=60)
+@pytest.mark.parametrize(("max_steps", "stopped_after"), [(2, None), (3, 2)])
+def test_a_stop_agreed_at_the_last_step_lets_the_run_finish_and_export(max_steps, stopped_after, tmp_path):
+    """SIGTERM as step 1 starts: the agreement sent after step 1 carries it and is read after step 2
+    (StopRequest's first intervals are one step each). With --max_steps 2 the run is done there, so it
+    ends as any run does (exit 0, --export written), not as a stop; with 3 it stops after step 2."""
+    result = torchrun_in_process(1, "gpt_late_signal.py", *ARGV, *split(1), "--max_steps", str(max_steps),
+                                 "--export", "model.pt", cwd=tmp_path, env={"SIGNAL_AT": "1"}, timeout=60)
     stopped = re.findall(r"stopped by SIGTERM after step (\d+)", result.stdout)
     if stopped_after is None:
         assert result.codes == [0] and not stopped and (tmp_path / "model.pt").exists(), result.stdout
