@@ -395,11 +395,12 @@ class StopRequest:
     `kill -9` is the way to stop without saving.
 
     The agreement costs no round trip per step. One all-reduce (max) carries each rank's signal and
-    how many steps it proposes until the next agreement (about SECONDS of its steps, at most
-    MAX_STEPS; the fewest proposed wins); it starts at one agreement and is read at the next, by when
-    it has long arrived. Every rank reads the same numbers, so all agree after the same steps and
-    stop after the same one, at most two intervals after a signal: about 2 s (two steps, where a step
-    takes longer), inside torchrun's 30 s.
+    how many steps it proposes until the next agreement (about SECONDS of its steps, at most twice
+    the last interval and MAX_STEPS; the fewest proposed wins); it starts at one agreement and is
+    read at the next, by when it has long arrived. Every rank reads the same numbers, so all agree
+    after the same steps and stop after the same one, at most two intervals after a signal: about
+    2 s of steps (two steps, where a step takes longer), inside torchrun's 30 s. A pause that could
+    outlast that, an evaluation, is followed by now(), a blocking agreement.
     `blocking=True` is the old way, an all-reduce waited for after every step (gpt/bench.py compares)."""
 
     SECONDS, MAX_STEPS = 1.0, 100
@@ -409,12 +410,12 @@ class StopRequest:
         # A CPU flag: no device sync; not the checkpoint thread's group. new_group's timeout is not the world
         # group's but the backend's default (30 minutes for gloo): a vanished host would stall the job that long.
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout) if timeout else None)
-        # A signal ignored when the run starts stays ignored: under nohup, SIGHUP.
-        self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-                         if signal.getsignal(sig) is not signal.SIG_IGN}
         self.interval = self.steps_left = 1  # the first agreement: after the first step
         self.since = time.perf_counter()
         self.sent = None if blocking else self.send(1)
+        # A signal ignored when the run starts stays ignored: under nohup, SIGHUP.
+        self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+                         if signal.getsignal(sig) is not signal.SIG_IGN}
 
     def handle(self, signum: int, frame) -> None:
         self.signal = self.signal or signum
@@ -436,20 +437,33 @@ class StopRequest:
             work.wait()  # started an interval ago: long done, unless a rank lags (it waits, as any collective would)
             now = time.perf_counter()
             pace, self.since = (now - self.since) / self.interval, now  # this rank's seconds per step, lately
+            # at most twice the last interval: a pace measured over few steps (a GPU's host runs ahead) errs little
+            proposal = max(1, min(self.MAX_STEPS, 2 * self.interval, int(self.SECONDS / max(pace, 1e-6))))
             self.interval = self.steps_left = int(-flag[1])  # proposed an interval ago: the same on every rank
-            self.sent = self.send(max(1, min(self.MAX_STEPS, int(self.SECONDS / max(pace, 1e-6)))))
+            self.sent = self.send(proposal)
+        return self.said(flag)
+
+    def now(self) -> bool:
+        """Whether every rank stops after this step, agreed at once (a blocking all-reduce, on the same
+        group: every rank's ops run in the order they were issued): after an evaluation, whose time could
+        otherwise stretch the wait for the next agreement past torchrun's 30 s."""
+        flag = torch.tensor([self.signal], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return self.said(flag)
+
+    def said(self, flag: torch.Tensor) -> bool:
         self.number = int(flag[0])
         self.name = signal.Signals(self.number).name if self.number else None
         return bool(self.number)
 
     def restore(self) -> None:
-        """The handlers as they were; the all-reduce in flight finished (every rank started it)."""
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+        """The all-reduce in flight finished (every rank started it), then the handlers as they were."""
         if self.sent is not None:
             with contextlib.suppress(Exception):  # a peer that died: gloo has already failed the work
                 self.sent[1].wait()
             self.sent = None
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 def open_metrics(out_dir: str, first_step: int):
@@ -667,6 +681,11 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
                 memory, words = peak_memory(device)
                 log({**record, **memory}, f"{line} | {words}")
                 started += time.perf_counter() - eval_started  # evaluation is not training time
+                if not (stopping or done) and stop.now():  # a signal during it: agreed now, not intervals later
+                    stopping = saving = True
+                    if not weights_are_finite(model):  # as above: nothing saved over the last good checkpoint
+                        checkpoints.wait()
+                        raise ValueError(f"the weights are not finite at step {step + 1}: stopped without saving")
             if saving:
                 save(step + 1)
             profiled_step.close()

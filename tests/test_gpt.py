@@ -13,6 +13,7 @@ import shlex
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -279,6 +280,40 @@ def test_a_sighup_stops_the_run_as_sigterm_does():
     before, steps, name, under_nohup, max_steps = results[0]
     assert (before, name, under_nohup) == (False, "SIGHUP", False)  # under nohup it stays ignored
     assert 2 <= steps <= 1 + max_steps, steps
+
+
+def agree_at_own_paces(rank: int, world_size: int, signal_step: int) -> tuple:
+    """StopRequest called after each of up to 400 steps that take each rank its own time (1 to 9 ms),
+    with intervals of about 20 ms; rank 1 signals itself as step `signal_step` starts. Returns (the
+    step it stopped after, the steps whose ends read an agreement)."""
+    stop = import_gpt_train().StopRequest(None)
+    stop.SECONDS = 0.02
+    reads = []
+    try:
+        for step in range(1, 400):
+            time.sleep(0.001 * (rank + 1) * (1 + step % 3))
+            if rank == 1 and step == signal_step:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if stop.steps_left == 1:
+                reads.append(step)
+            if stop.agreed():
+                return step, reads
+        return None, reads
+    finally:
+        stop.restore()
+
+
+def test_ranks_at_different_paces_agree_at_the_same_steps_and_stop_after_the_same_one():
+    """Each rank proposes intervals from its own pace, so the intervals would differ from rank to rank
+    if any rank used its own proposal: the agreed one is the same everywhere, and so is the stop, two
+    reads after the signal."""
+    results, _ = spawn(agree_at_own_paces, 3, 60, timeout=90)
+    stopped, reads = results[0]
+    assert all(result == (stopped, reads) for result in results), results
+    intervals = [b - a for a, b in zip(reads, reads[1:], strict=False)]
+    assert reads[:2] == [1, 2] and len(set(intervals)) > 1, reads  # the intervals grow, then follow the pace
+    after = [r for r in reads if r >= 60]
+    assert stopped == after[1], (stopped, reads)  # the first read at or after it sends the signal, the next reads it
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
