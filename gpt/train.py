@@ -218,9 +218,9 @@ def build(args: argparse.Namespace, config: GPTConfig, world_size: int, device: 
 
 def compile_model(model: GPT) -> None:
     """torch.compile each block, and the head with its loss (head_loss), before any wrapping: each
-    block apart, so that FSDP's hooks stay between them (one all-gather per block) and one compiled
-    block serves every layer; the head and the loss apart from the rest, as the root module's
-    forward holds FSDP's hooks for the embeddings and the tied head."""
+    block apart, so that FSDP's hooks stay between them (one all-gather per block); the head and the
+    loss apart from the rest, as the root module's forward holds FSDP's hooks for the embeddings and
+    the tied head."""
     for block in model.blocks:
         block.compile()
     model.head_loss = torch.compile(model.head_loss)
@@ -596,6 +596,12 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
         model_state, optim_state = get_state_dict(model, optimizer)
         checkpoints.save({"model": model_state, "optim": optim_state}, step, extra)
 
+    def not_finite(what: str, step: int) -> None:
+        checkpoints.wait()  # the save in flight is committed (or fails) first: `last` is the newest
+        last = checkpoints.committed()
+        raise ValueError(f"{what} are not finite at step {step + 1}: stopped without saving"
+                         + (f"; the last checkpoint, {last[-1]}, is untouched" if last else ""))
+
     loss_sum = torch.zeros((), device=device)  # on the device until a log line: no host sync per step
     steps_since_log, started, profiler, profiled_step = 0, time.perf_counter(), None, contextlib.ExitStack()
     # Python's garbage collector would pause each rank at its own moments, and every other rank waits in the
@@ -655,11 +661,7 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
                         and (not saving or weights_are_finite(model))):
                     # The same all-reduced loss, global norm and weights' verdict on every rank: all stop
                     # here, and nothing is saved over the last good checkpoint.
-                    checkpoints.wait()  # the save in flight is committed (or fails) first: `last` is the newest
-                    last = checkpoints.committed()
-                    raise ValueError(f"the loss ({loss}), the gradient's norm ({grad_norm.item()}) or the weights "
-                                     f"are not finite at step {step + 1}: stopped without saving"
-                                     + (f"; the last checkpoint, {last[-1]}, is untouched" if last else ""))
+                    not_finite(f"the loss ({loss}), the gradient's norm ({grad_norm.item()}) or the weights", step)
                 record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
                           "tokens_per_s": tokens_per_s}
                 line = (f"step {step + 1} | loss {loss:.4f} | lr {lr:.2e} | grad_norm {grad_norm.item():.3f} | "
@@ -684,8 +686,7 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
                 if not (stopping or done) and stop.now():  # a signal during it: agreed now, not intervals later
                     stopping = saving = True
                     if not weights_are_finite(model):  # as above: nothing saved over the last good checkpoint
-                        checkpoints.wait()
-                        raise ValueError(f"the weights are not finite at step {step + 1}: stopped without saving")
+                        not_finite("the weights", step)
             if saving:
                 save(step + 1)
             profiled_step.close()

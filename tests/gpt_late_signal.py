@@ -1,5 +1,5 @@
-"""gpt/train.py that sends itself SIGTERM as step SIGNAL_AT (1-based) starts, for tests/test_gpt_checkpoints.py.
-main() is gpt/train.py's."""
+"""gpt/train.py that sends itself SIGTERM as step SIGNAL_AT (1-based) starts, or with SIGNAL_IN_EVAL=1 during
+the evaluation at that step, for tests/test_gpt_checkpoints.py. main() is gpt/train.py's."""
 import os
 import signal
 import sys
@@ -11,14 +11,22 @@ for name in ("model", "data", "train"):  # the root's model.py and data.py, prel
 import train  # noqa: E402
 
 SIGNAL_AT = int(os.environ["SIGNAL_AT"])
-lr_at = train.lr_at
+IN_EVAL = os.environ.get("SIGNAL_IN_EVAL") == "1"
+lr_at, evaluate = train.lr_at, train.evaluate
 
 
 def signalling_lr_at(step: int, args) -> float:
-    if step + 1 == SIGNAL_AT:  # lr_at(step) is the first thing each step does
+    if step + 1 == SIGNAL_AT and not IN_EVAL:  # lr_at(step) is the first thing each step does
         os.kill(os.getpid(), signal.SIGTERM)
     return lr_at(step, args)
 
 
+def signalling_evaluate(*args, **kwargs) -> float:
+    os.kill(os.getpid(), signal.SIGTERM)
+    return evaluate(*args, **kwargs)
+
+
 train.lr_at = signalling_lr_at
+if IN_EVAL:
+    train.evaluate = signalling_evaluate
 main = train.main

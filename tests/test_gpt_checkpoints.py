@@ -328,3 +328,13 @@ def test_a_stop_agreed_at_the_last_step_lets_the_run_finish_and_export(max_steps
     else:
         assert result.codes == [128 + signal.SIGTERM] and stopped == [str(stopped_after)], result.stdout
         assert not (tmp_path / "model.pt").exists()
+
+
+def test_a_signal_during_an_evaluation_stops_after_it_at_once(tmp_path):
+    """An evaluation can be long, and the next agreement intervals away: a blocking agreement follows
+    each evaluation, so a SIGTERM during the one at step 8 stops every rank after step 8 and saves it."""
+    result = torchrun_in_process(2, "gpt_late_signal.py", *ARGV, *split(2), "--eval_every", "8", cwd=tmp_path,
+                                 env={"SIGNAL_AT": "0", "SIGNAL_IN_EVAL": "1"}, timeout=60)
+    assert result.codes == [128 + signal.SIGTERM] * 2, result.stderr
+    assert re.findall(r"stopped by SIGTERM after step (\d+)", result.stdouts[0]) == ["8"], result.stdouts[0]
+    assert (tmp_path / "out" / "step_00000008" / "manifest.json").is_file()
