@@ -115,6 +115,12 @@ MISTAKES = {
     "a timeout of nan": (["debug_hang.py", "--timeout", "nan"], {}, "error: --timeout must be above 0 and below 1e7"),
     "a timeout that is not a number": (["debug_hang.py", "--timeout", "soon"], {},
                                        "error: argument --timeout: invalid float value: 'soon'"),
+    "DeepSpeed started with python": (["deepspeed_zero.py"], {},
+                                      "error: start this script with torchrun --standalone --nproc-per-node 2"),
+    "a ZeRO stage out of range": (["deepspeed_zero.py", "--stage", "4"], ONE,
+                                  "error: argument --stage: invalid choice: 4 (choose from 0, 1, 2, 3)"),
+    "offload without ZeRO": (["deepspeed_zero.py", "--stage", "0", "--offload"], ONE,
+                             "error: --offload moves ZeRO's optimizer partition: it needs --stage 1, 2 or 3"),
 }
 
 
