@@ -61,7 +61,6 @@ def config(args: argparse.Namespace) -> dict:
             "offload_optimizer": {"device": "cpu" if args.offload else "none"},  # ZeRO-Offload: state and step on CPU
         },
         "zero_force_ds_cpu_optimizer": False,  # offload with torch's Adam: DeepSpeedCPUAdam is a C++ op to compile
-        "steps_per_print": 2**31 - 1,  # the engine's own progress lines: never
     }
 
 
