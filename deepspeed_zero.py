@@ -76,9 +76,8 @@ def make_loaders(args: argparse.Namespace, rank: int, world_size: int) -> tuple[
 
 
 def bytes_held(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
-    """Bytes of this rank's parameters (stage 3: its partition ds_tensor, and the whole of each that DeepSpeed keeps
-    gathered between steps, ds_persist), gradients and optimizer state: what torch's Adam steps on (from stage 1
-    DeepSpeed's fp32 partition, not the model's tensors), its gradient, Adam's moments and step."""
+    """Bytes of this rank's parameters (stage 3: its partition ds_tensor, and any tensor kept whole, ds_persist),
+    gradients and optimizer state: what Adam steps on (from stage 1 an fp32 partition), its moments and step."""
     params, masters = list(model.parameters()), [p for group in optimizer.param_groups for p in group["params"]]
     grads = {id(p.grad): p.grad for p in params + masters if p.grad is not None}  # stage 0: the model's own
     state = [p for p in masters if all(p is not q for q in params)]
@@ -129,12 +128,14 @@ def train(args: argparse.Namespace, rank: int, world_size: int):
     run = f"stage{args.stage}-{world_size}ranks-{args.model}"  # in each tag: DeepSpeed's own errors are tracebacks
     start_epoch = 0
     if args.checkpoint and os.path.exists(args.checkpoint):
-        latest = Path(args.checkpoint, "latest")  # the last tag saved, written by rank 0
-        tag = latest.read_text() if latest.is_file() else "none"
-        if not tag.endswith(run) or not Path(args.checkpoint, tag).is_dir():
+        latest = Path(args.checkpoint, "latest")  # the last tag that every rank saved whole (written below)
+        tag = latest.read_text().strip() if latest.is_file() else "none"
+        if not tag.endswith(run) or "/" in tag or not Path(args.checkpoint, tag).is_dir():
             raise SystemExit(f"error: {args.checkpoint} holds no checkpoint of a {run} run to resume (latest: {tag})")
-        _, client_state = engine.load_checkpoint(args.checkpoint, tag)  # each rank reads its own partitions
-        start_epoch = client_state["epoch"]  # the next epoch to run: none is repeated
+        try:  # each rank reads its own partitions; DeepSpeed's torch.load is weights_only=False: your files only
+            start_epoch = engine.load_checkpoint(args.checkpoint, tag)[1]["epoch"]  # the next epoch to run
+        except (OSError, RuntimeError) as exc:  # a file cut short or missing: one line, not a traceback
+            raise SystemExit(f"error: {args.checkpoint}/{tag} does not load: {exc}".splitlines()[0]) from None
         if rank == 0:
             print(f"resuming from {args.checkpoint}: {start_epoch} of {args.max_epochs} epochs done", flush=True)
     for epoch in range(start_epoch, args.max_epochs):
@@ -144,15 +145,19 @@ def train(args: argparse.Namespace, rank: int, world_size: int):
             print(f"[rank {rank}/{world_size}] stage {args.stage} bytes held: {held[0]}\n", end="", flush=True)
         val_totals = evaluate(engine, val_loader)
         train_loss, val_loss = epoch_means(train_totals, val_totals)
-        if args.checkpoint:  # a collective: each rank writes its partitions, rank 0 "latest" (the tag), then a barrier
-            engine.save_checkpoint(args.checkpoint, tag=f"epoch{epoch + 1}-{run}", client_state={"epoch": epoch + 1})
+        if args.checkpoint:  # a collective: each rank writes its partitions, then all meet at a barrier
+            tag = f"epoch{epoch + 1}-{run}"
+            engine.save_checkpoint(args.checkpoint, tag, client_state={"epoch": epoch + 1}, save_latest=False)
+            if rank == 0:  # DeepSpeed's own "latest" is written before the other ranks' files are: this one after
+                Path(args.checkpoint, "latest.tmp").write_text(tag)
+                os.replace(f"{args.checkpoint}/latest.tmp", f"{args.checkpoint}/latest")  # a kill mid-write: the old
         if rank == 0:
             print(f"epoch {epoch} | train_loss:{train_loss:.6f} val_loss:{val_loss:.6f}", flush=True)  # once saved
+    if rank == 0 and args.checkpoint:  # zero_to_fp32: the last tag's partitions, every rank's, made whole
+        whole = get_fp32_state_dict_from_zero_checkpoint(args.checkpoint, tag) if args.stage else model.state_dict()
+        torch.save(whole, f"{args.checkpoint}/model.pt.tmp")  # the plain model's names: a plain model loads it
+        os.replace(f"{args.checkpoint}/model.pt.tmp", f"{args.checkpoint}/model.pt")  # a kill mid-write: none half
     if rank == 0 and start_epoch < args.max_epochs:
-        if args.checkpoint:  # zero_to_fp32: the partitions every rank saved (then met at a barrier), made whole
-            whole = get_fp32_state_dict_from_zero_checkpoint(args.checkpoint) if args.stage else model.state_dict()
-            torch.save(whole, f"{args.checkpoint}/model.pt.tmp")  # the plain model's names: a plain model loads it
-            os.replace(f"{args.checkpoint}/model.pt.tmp", f"{args.checkpoint}/model.pt")  # a kill mid-write: none half
         print(f"done | val_loss:{val_loss:.6f} floor:{LOSS_FLOOR:.6f} ({val_loss / LOSS_FLOOR:.3f} × floor)")
     return engine
 
@@ -161,7 +166,7 @@ def main() -> None:
     args = parse_args()
     if deepspeed is None:
         raise SystemExit("error: DeepSpeed is not installed: pip install -r requirements-deepspeed.txt")
-    if "RANK" not in os.environ:  # torchrun sets these in every process (and OMP_NUM_THREADS=1); so does deepspeed
+    if "RANK" not in os.environ:  # torchrun and deepspeed set these in every process (torchrun: OMP_NUM_THREADS=1 too)
         raise SystemExit("error: start this script with torchrun --standalone --nproc-per-node 2 deepspeed_zero.py")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world_size > min(args.train_size, args.val_size):  # each rank needs a training and a validation sample

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from harness import spawn, torchrun_in_process
+from harness import run_ranks, spawn, torchrun_in_process
 from launch import BIN, REPO, check, epoch_losses, run
 from test_train import global_batch, one_process
 
@@ -43,6 +43,7 @@ def whole_weights(engine) -> dict[str, torch.Tensor]:
 
 
 def train(rank: int, world_size: int, argv: list[str]) -> dict[str, torch.Tensor]:
+    os.environ["LOCAL_RANK"] = str(rank)  # which DeepSpeed asserts is set, as torchrun sets it
     return whole_weights(deepspeed_zero.train(parse(argv), rank, world_size))
 
 
@@ -53,7 +54,6 @@ def every_run(rank: int, world_size: int, folder: str) -> dict:
     (single_process.py's reference runs in the test process, which never starts DeepSpeed)."""
     results = {}
     deepspeed_zero.deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # as main() does
-    os.environ["LOCAL_RANK"] = str(rank)  # which DeepSpeed asserts is set, as torchrun sets it
     for stage, offload in RUNS:
         flags = ["--stage", str(stage), *["--offload"] * offload]
         results[stage, offload] = train(rank, world_size, [*ARGV, *flags])
@@ -131,7 +131,6 @@ def test_each_rank_prints_the_bytes_of_its_partitions(runs):
 def without_averaging(rank: int, world_size: int) -> dict:
     """Stages 1, 2 and 3 with the collectives that sum the ranks' gradients (all-reduce, reduce-scatter) doing
     nothing: each rank then steps on its own gradients."""
-    os.environ["LOCAL_RANK"] = str(rank)
     for name in ("all_reduce", "reduce_scatter_tensor"):
         setattr(dist, name, lambda *args, **kwargs: None)
     return {stage: train(rank, world_size, [*ARGV, "--stage", str(stage)]) for stage in (1, 2, 3)}
@@ -167,6 +166,13 @@ def test_a_foreign_or_missing_checkpoint_is_one_line_and_nothing_is_lost(tmp_pat
     (foreign / "ckpt.pt").write_bytes(b"singlenode_cpu.py's file")
     assert "(latest: none)" in resume(foreign, "--stage", "2")  # a folder DeepSpeed did not write
     assert "(latest: none)" in resume(foreign / "ckpt.pt", "--stage", "2")  # a file, not a folder
+    (written / "model.pt").unlink()  # a run killed after its last save: a run with nothing left to do exports it
+    launch = torchrun_in_process(1, "deepspeed_zero.py", *SIZES, "--max_epochs", "1", "--checkpoint", str(written),
+                                 "--stage", "2", timeout=60)
+    assert launch.codes == [0] and (written / "model.pt").read_bytes() == before[written / "model.pt"], launch.stderr
+    partition = next(written.glob("epoch1-*/zero_pp_rank_0_*"))
+    partition.write_bytes(before[partition][:1000])  # cut short
+    assert f"{written}/epoch1-stage2-1ranks-mlp does not load: " in resume(written, "--stage", "2")
     shutil.rmtree(written / (written / "latest").read_text())
     assert "holds no checkpoint of a stage2-1ranks-mlp run" in resume(written, "--stage", "2")  # its tag deleted
 
@@ -186,3 +192,34 @@ def test_deepspeeds_own_launcher_runs_the_documented_command(tmp_path):
     _, printed = one_process(global_batch(2, ARGV))
     expected = {epoch: pytest.approx(pair, abs=2e-6) for epoch, pair in epoch_losses(printed).items()}
     assert epoch_losses(result) == expected and len(expected) == 3
+
+
+def die_in_the_second_save(rank: int, world_size: int, folder: str) -> None:
+    """Two epochs with a checkpoint; in the second save, rank 1 writes half its partition and dies, as a
+    killed worker would: rank 0 then fails at the save's closing barrier."""
+    engine_module = deepspeed_zero.deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine
+    save = engine_module.TorchCheckpointEngine.save
+
+    def dying_save(self, state_dict, path):
+        if rank == 1 and "epoch2" in path and "optim_states" in path:
+            save(self, state_dict, path)
+            with open(path, "r+b") as file:
+                file.truncate(os.path.getsize(path) // 2)
+            os._exit(1)
+        return save(self, state_dict, path)
+
+    engine_module.TorchCheckpointEngine.save = dying_save
+    train(rank, world_size, [*SIZES, "--stage", "2", "--max_epochs", "2", "--checkpoint", folder])
+
+
+def test_a_rank_dying_mid_save_leaves_the_checkpoint_before_it_to_resume(tmp_path):
+    """DeepSpeed's own "latest" names the new tag before the other ranks have written theirs; the script's
+    is written after the save's barrier, so the half-written epoch 2 is never named."""
+    folder = tmp_path / "ckpt"
+    codes, _, _, _ = run_ranks(die_in_the_second_save, 2, str(folder), timeout=120)
+    assert codes[1] == 1 and codes[0] != 0  # rank 0 saw its peer go
+    assert (folder / "latest").read_text() == "epoch1-stage2-2ranks-mlp"
+    assert (folder / "epoch2-stage2-2ranks-mlp").is_dir()  # the broken tag is there, not named
+    _, stdouts = spawn(train, 2, [*SIZES, "--stage", "2", "--max_epochs", "2", "--checkpoint", str(folder)],
+                       timeout=120)
+    assert "resuming from" in stdouts[0] and "1 of 2 epochs done" in stdouts[0]

@@ -196,7 +196,7 @@ def changed_lines(before: str, after: str) -> int:
     ("singlenode_cpu.py", "singlenode_gpu.py", 80),  # the device, and fp16's GradScaler
     ("singlenode_cpu.py", "mp_spawn.py", 35),  # the launch
     ("singlenode_cpu.py", "start_with_torchrun.py", 20),  # the launchers' variables
-    ("singlenode_cpu.py", "deepspeed_zero.py", 130),  # the engine, its config, checkpoints and bytes
+    ("singlenode_cpu.py", "deepspeed_zero.py", 135),  # the engine, its config, checkpoints and bytes
 ])
 def test_each_launch_lesson_is_a_short_diff_of_its_neighbour(before, after, most):
     assert 0 < changed_lines(before, after) <= most
@@ -247,7 +247,7 @@ PARALLELISM = ["tensor_parallel.py", "pipeline_parallel.py", "mesh_2d.py", "expe
 LESSONS = {"single_process.py": 150, "singlenode_cpu.py": 130, "singlenode_gpu.py": 150, "mp_spawn.py": 150,
            "start_with_torchrun.py": 150, "grad_accumulation.py": 150, "uneven_inputs.py": 150,
            "unused_parameters.py": 150, "sync_batchnorm.py": 150, "model_parallel.py": 150, "debug_hang.py": 150,
-           "zero_optimizer.py": 150, "fsdp2.py": 150, "deepspeed_zero.py": 182, "ddp_by_hand.py": 200,
+           "zero_optimizer.py": 150, "fsdp2.py": 150, "deepspeed_zero.py": 185, "ddp_by_hand.py": 200,
            "zero_by_hand.py": 312,
            "tensor_parallel.py": 200, "pipeline_parallel.py": 250, "mesh_2d.py": 150,
            "context_parallel.py": 200, "expert_parallel.py": 200,
