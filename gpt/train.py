@@ -30,24 +30,23 @@ import time
 from dataclasses import asdict
 from datetime import timedelta
 
+import parallelize
 import torch
 import torch.distributed as dist
+from parallelize import DTYPES
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
 from checkpoint import Checkpoints
 from model import CONFIGS, GPT, GPTConfig, export
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # What a checkpoint records of the run that wrote it; a resume with other values says so in one line.
 RUN = ("data", "max_steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "seed", "batch_size",
        "grad_accum", "parallel", "precision")
@@ -180,52 +179,6 @@ def attempt_store(local_rank: int) -> dist.Store:
     return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def build(args: argparse.Namespace, config: GPTConfig, world_size: int, device: torch.device) -> torch.nn.Module:
-    """The model, wrapped for --parallel, with the same starting weights in every layout."""
-    if args.parallel == "ddp":
-        model = GPT(config)
-        model.init_weights(args.seed)
-        if args.compile:
-            compile_model(model)
-        model.to(device)
-        # DDP broadcasts rank 0's weights at construction; every rank built the same ones anyway.
-        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if args.parallel == "fsdp":
-        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
-    else:
-        shard = args.shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        if world_size % shard:
-            raise ValueError(f"--shard_size {shard} does not divide the {world_size} ranks")
-        mesh = init_device_mesh(device.type, (world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
-    with torch.device("meta"):  # no memory: each rank will only ever hold its shard
-        model = GPT(config)
-    dtype = DTYPES[args.precision]
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)  # weights, grads in fp32
-    if args.compile:
-        compile_model(model)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)  # one all-gather per block, freed after use
-    fully_shard(model, mesh=mesh, mp_policy=policy)  # the rest: embeddings, final norm, tied head
-    model.to_empty(device=device)
-    generator = torch.Generator().manual_seed(args.seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():  # each full value drawn as GPT.init_weights does
-            full = model.init_value(name, param.shape, generator).to(device)
-            param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements,
-                                                     src_data_rank=None).to_local())  # keep this rank's shard
-    return model
-
-
-def compile_model(model: GPT) -> None:
-    """torch.compile each block, and the head with its loss (head_loss), before any wrapping: each
-    block apart, so that FSDP's hooks stay between them (one all-gather per block); the head and the
-    loss apart from the rest, as the root module's forward holds FSDP's hooks for the embeddings and
-    the tied head."""
-    for block in model.blocks:
-        block.compile()
-    model.head_loss = torch.compile(model.head_loss)
-
-
 def lr_at(step: int, args: argparse.Namespace) -> float:
     """Linear warmup to --lr over --warmup_steps, then a cosine down to --min_lr at --max_steps."""
     min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
@@ -240,18 +193,6 @@ def make_optimizer(model: torch.nn.Module, args: argparse.Namespace, device: tor
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},  # matrices
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # biases, norms
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
-
-
-def gradient_sync(model: torch.nn.Module, last_micro_step: bool):
-    """What this backward communicates. DDP: no all-reduce until the last micro-step of an
-    accumulation (no_sync), so once per optimizer step. FSDP: a reduce-scatter at every micro-step,
-    so that each rank keeps only its shard of the gradients (without it, every rank would hold
-    whole gradients until the last micro-step: the memory FSDP is there to save). HSDP: the same,
-    and the all-reduce across replica groups only at the last micro-step."""
-    if isinstance(model, DDP):
-        return contextlib.nullcontext() if last_micro_step else model.no_sync()
-    model.set_requires_all_reduce(last_micro_step)  # only HSDP's mesh has a replicate dimension to reduce over
-    return contextlib.nullcontext()
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
@@ -527,18 +468,6 @@ def resume(args: argparse.Namespace, checkpoints: Checkpoints, model: torch.nn.M
     return manifest["step"]
 
 
-def settle_buckets(model: DDP, x: torch.Tensor, autocast) -> None:
-    """One backward of zeros, so that every real step uses the same gradient buckets. DDP's first
-    backward all-reduces one bucket in the order the model defines its parameters, then it
-    rebuilds its buckets in the order the gradients became ready; with 3 or more ranks, where a
-    number sits in a bucket decides the order in which the ranks' values are added, and so its
-    rounding. After this pass a fresh run and a resumed one step alike, bit for bit."""
-    with autocast:
-        logits = model(x)
-    (logits.float().sum() * 0).backward()  # all-reduces zeros; no optimizer step follows
-    model.zero_grad(set_to_none=True)
-
-
 def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> torch.nn.Module | int:
     """The trained model, or the number of the signal that stopped the run before --max_steps (it
     is saved)."""
@@ -555,7 +484,10 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
                 world_size: int, device: torch.device) -> torch.nn.Module | int:
     no_lock = checkpoints.lock()
     config = GPTConfig(vocab_size=tokens.vocab_size, seq_len=args.seq_len, **CONFIGS[args.model])
-    model = build(args, config, world_size, device)
+    mesh = parallelize.make_mesh(args, world_size, device)
+    with torch.device("meta"):  # no memory: parallelize_gpt gives each rank what it holds, and the weights
+        model = GPT(config)
+    model = parallelize.parallelize_gpt(model, mesh, args, device)
     gpt = model.module if isinstance(model, DDP) else model  # .module: DDP's wrapped model
     optimizer = make_optimizer(model, args, device)
     dtype = DTYPES[args.precision]
@@ -567,9 +499,9 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
     peak = peak_flops(args, device)
     metrics = None
     if rank == 0:
-        mesh = " × ".join(map(str, model.blocks[0].attn.q.weight.device_mesh.shape)) if args.parallel == "hsdp" else ""
+        shape = " × ".join(map(str, mesh.shape)) if args.parallel == "hsdp" else ""
         print(f"gpt {args.model} ({gpt.num_params() / 1e6:.2f}M parameters) | {args.parallel} on {world_size} "
-              f"rank{'s' if world_size > 1 else ''}{f' ({mesh} mesh)' if mesh else ''}, {device.type} | "
+              f"rank{'s' if world_size > 1 else ''}{f' ({shape} mesh)' if shape else ''}, {device.type} | "
               f"data {tokens.name} (vocab {tokens.vocab_size}) | global batch {global_batch} × {args.seq_len} tokens",
               flush=True)
         for line in [no_lock] if no_lock else []:
@@ -582,7 +514,8 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
         metrics = open_metrics(args.out_dir, first_step)
     if isinstance(model, DDP) and first_step < args.max_steps:
         starts = data.batch_starts(first_step, args.seed, len(tokens.train), args.seq_len, global_batch)
-        settle_buckets(model, data.windows(tokens.train, starts[:args.batch_size], args.seq_len, device)[0], autocast)
+        x = data.windows(tokens.train, starts[:args.batch_size], args.seq_len, device)[0]
+        parallelize.settle_buckets(model, x, autocast)
 
     def log(record: dict, line: str) -> None:
         if rank == 0:  # after every rank's collective: never a collective inside this guard
@@ -634,7 +567,7 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
             for micro in range(args.grad_accum):
                 x, y = data.windows(tokens.train, mine[micro * args.batch_size:][:args.batch_size], args.seq_len,
                                     device)
-                with gradient_sync(model, micro == args.grad_accum - 1), autocast:
+                with parallelize.gradient_sync(model, micro == args.grad_accum - 1), autocast:
                     # each token's loss (batch × seq), in fp32; / grad_accum: the gradient of the mean over the
                     # micro-steps (the ranks' mean is DDP's or FSDP's)
                     loss = model(x, y).mean() / args.grad_accum

@@ -18,5 +18,5 @@ def never(model, last_micro_step: bool):
     return contextlib.nullcontext()
 
 
-train.gradient_sync = never
+train.parallelize.gradient_sync = never
 main = train.main

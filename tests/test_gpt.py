@@ -460,8 +460,10 @@ def fp16_inf_on_one_rank(rank: int, world_size: int, parallel: str, local_check:
             op_call([g.to_local() for g in grads], found_inf, inv_scale)
         op = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
         DTensor._op_dispatcher._custom_op_handlers[op] = each_rank_alone
-    model = gpt_train.build(args, GPTConfig(vocab_size=64, seq_len=16, **CONFIGS["tiny"]), world_size,
-                            torch.device("cpu"))
+    mesh = gpt_train.parallelize.make_mesh(args, world_size, torch.device("cpu"))
+    with torch.device("meta"):
+        model = gpt_train.GPT(GPTConfig(vocab_size=64, seq_len=16, **CONFIGS["tiny"]))
+    model = gpt_train.parallelize.parallelize_gpt(model, mesh, args, torch.device("cpu"))
     optimizer = gpt_train.make_optimizer(model, args, torch.device("cpu"))
     scaler = torch.amp.GradScaler("cpu")
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
