@@ -124,6 +124,8 @@ def train(args: argparse.Namespace, rank: int, world_size: int):
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     held = []  # read inside DeepSpeed's first step (it frees the gradients after it), printed after the first epoch
     hook = optimizer.register_step_post_hook(lambda opt, *_: held.append(bytes_held(model, opt)) or hook.remove())
+    # The shared-memory all-reduce that DeepSpeed builds at start-up (a C++ compile, minutes) serves inference only.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config(args))
     run = f"stage{args.stage}-{world_size}ranks-{args.model}"  # in each tag: DeepSpeed's own errors are tracebacks
     start_epoch = 0
@@ -171,8 +173,6 @@ def main() -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world_size > min(args.train_size, args.val_size):  # each rank needs a training and a validation sample
         raise SystemExit(f"error: {world_size} ranks: --train_size and --val_size must be at least that")
-    # The shared-memory all-reduce that DeepSpeed builds at start-up (a C++ compile, minutes) serves inference only.
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     warnings.filterwarnings("ignore", "`torch.distributed.", FutureWarning)  # DeepSpeed calls collectives' old names
     dist.init_process_group("gloo", rank=rank, world_size=world_size)  # env://; deepspeed.initialize finds the group
     try:  # destroy also when training raises: gloo's threads end with the group

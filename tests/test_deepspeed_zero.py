@@ -53,14 +53,14 @@ def every_run(rank: int, world_size: int, folder: str) -> dict:
     memory_efficient_linear), whose gradients round differently, so a later run would differ by an ulp
     (single_process.py's reference runs in the test process, which never starts DeepSpeed)."""
     results = {}
-    deepspeed_zero.deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # as main() does
     for stage, offload in RUNS:
         flags = ["--stage", str(stage), *["--offload"] * offload]
         results[stage, offload] = train(rank, world_size, [*ARGV, *flags])
         argv = [*SIZES, *flags, "--checkpoint", f"{folder}/stage{stage}{'offload' * offload}"]
         train(rank, world_size, [*argv, "--max_epochs", "1"])
         results["resumed", stage, offload] = train(rank, world_size, [*argv, "--max_epochs", "3"])
-    return results
+    from deepspeed.comm import comm  # DeepSpeed's backend: whether it built (or loaded) its shared-memory op
+    return results | {"shm op": comm.cdb.shm_comm_op is not None}
 
 
 @pytest.fixture(scope="module", params=[2, 3])
@@ -82,6 +82,7 @@ def test_every_stage_trains_what_single_process_trains_on_the_global_batch(runs)
     for epoch, pair in epoch_losses(printed).items():
         assert first[epoch] == pytest.approx(pair, abs=2e-6)
     assert all(epoch_losses(stdout) == {} for stdout in stdouts[1:])  # rank 0 alone prints them
+    assert not any(result["shm op"] for result in results)  # no C++ op compiled at start-up
 
 
 def test_a_resumed_run_ends_bit_for_bit_as_an_uninterrupted_one(runs):
