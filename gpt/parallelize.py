@@ -1,9 +1,10 @@
 """The layouts of gpt/train.py: given the model, the mesh and the flags, the model laid out over the ranks.
 
 train.py is the loop; every decision about which rank holds what, and what a backward communicates, is
-here (torchtitan's parallelize_llama is the model): make_mesh() builds the DeviceMesh of --parallel,
-parallelize_gpt() wraps the model built on `meta` for it, with the same starting weights in every layout,
-gradient_sync() says what a backward communicates under gradient accumulation.
+here (torchtitan's parallelize_llama is the model): make_mesh() builds the DeviceMesh of --parallel and
+--tp, parallelize_gpt() lays out the model built on `meta` on it, with the same starting weights in every
+layout, data_rank() says which batch a rank reads, loss_context() how the loss is computed, gradient_sync()
+what a backward communicates under gradient accumulation.
 """
 import argparse
 import contextlib
@@ -12,7 +13,8 @@ import os
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import parallel as tp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import GPT
@@ -25,8 +27,12 @@ def make_mesh(args: argparse.Namespace, world_size: int, device: torch.device) -
     of --shard_size neighbouring ranks (a node by default); ddp needs none."""
     if args.parallel == "ddp":
         return None
-    if args.parallel == "fsdp":
+    if args.parallel == "fsdp" and args.tp == 1:
         return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+    if args.parallel == "fsdp":  # tp innermost: a tp group is neighbouring ranks, on one node on a cluster
+        if world_size % args.tp:
+            raise ValueError(f"--tp {args.tp} does not divide the {world_size} ranks")
+        return init_device_mesh(device.type, (world_size // args.tp, args.tp), mesh_dim_names=("shard", "tp"))
     shard = args.shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if world_size % shard:
         raise ValueError(f"--shard_size {shard} does not divide the {world_size} ranks")
@@ -48,6 +54,9 @@ def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespac
         model.init_weights(args.seed)
         # DDP broadcasts rank 0's weights at construction; every rank drew the same ones anyway.
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if "tp" in mesh.mesh_dim_names:
+        tensor_parallel(model, mesh["tp"])
+        mesh = mesh["shard"]  # FSDP shards each tp shard again, over the data-parallel ranks
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[args.precision], reduce_dtype=torch.float32)  # grads in fp32
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)  # one all-gather per block, freed after use
@@ -60,6 +69,51 @@ def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespac
             param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements,
                                                      src_data_rank=None).to_local())  # keep this rank's shard
     return model
+
+
+def tensor_parallel(model: GPT, mesh: DeviceMesh) -> None:
+    """Megatron's split of every matrix over the tp ranks, with sequence parallel: q, k, v and fc by
+    columns (each rank some heads, some hidden units), o and proj by rows, their outputs reduce-scattered
+    along the sequence; the norms and the residual stream hold 1/tp of the sequence, all-gathered before
+    attention and the MLP. The embeddings and the tied head are split over the vocabulary (wpe over the
+    positions), the cross-entropy computed on the vocabulary's shards (loss_context). Every parameter
+    becomes a DTensor on the tp mesh, so that clip_grad_norm_ sees one kind of tensor."""
+    c, n = model.config, mesh.size()
+    for what, size in (("n_head", c.n_head), ("vocab_size", c.vocab_size), ("seq_len", c.seq_len)):
+        if size % n:
+            raise ValueError(f"--tp {n} does not divide the model's {what}, {size}")
+    whole = tp.PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
+    plan = {"ln_1": tp.SequenceParallel(), "attn": whole, "ln_2": tp.SequenceParallel(), "mlp": whole,
+            "attn.q": tp.ColwiseParallel(), "attn.k": tp.ColwiseParallel(), "attn.v": tp.ColwiseParallel(),
+            "attn.o": tp.RowwiseParallel(output_layouts=Shard(1)), "mlp.fc": tp.ColwiseParallel(),
+            "mlp.proj": tp.RowwiseParallel(output_layouts=Shard(1))}
+    for block in model.blocks:
+        tp.parallelize_module(block, mesh, plan)
+    tp.parallelize_module(model, mesh, {
+        "wte": tp.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),  # (batch, seq / tp, n_embd)
+        "wpe": tp.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),  # (seq / tp, n_embd)
+        "ln_f": tp.SequenceParallel(),
+        "lm_head": tp.ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)})
+    model.lm_head.weight = model.wte.weight  # parallelize_module made the tied matrix two: one again
+    head_loss = model.head_loss
+
+    def local_losses(x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        losses = head_loss(x, targets)  # a DTensor: each token's loss, the same on every tp rank (Replicate)
+        return losses.to_local().clone()  # not a view, which FSDP warns of (as GPT.head_loss says)
+
+    model.head_loss = local_losses
+
+
+def data_rank(mesh: DeviceMesh | None, rank: int, world_size: int) -> tuple[int, int]:
+    """(which share of each batch this rank reads, how many shares): the ranks of one tp group read the same."""
+    if mesh is None or "tp" not in mesh.mesh_dim_names:
+        return rank, world_size
+    return mesh["shard"].get_local_rank(), mesh["shard"].size()
+
+
+def loss_context(mesh: DeviceMesh | None):
+    """Around a forward and its backward: under tp, the cross-entropy on the vocabulary's shards."""
+    return tp.loss_parallel() if mesh is not None and "tp" in mesh.mesh_dim_names else contextlib.nullcontext()
 
 
 def compile_model(model: GPT) -> None:

@@ -1,4 +1,4 @@
-"""Train a GPT on a token stream with DDP, FSDP2 or HSDP: the job to copy.
+"""Train a GPT on a token stream with DDP, FSDP2, HSDP or FSDP2 × tensor parallel: the job to copy.
 
     torchrun --standalone --nproc-per-node 2 gpt/train.py --model tiny        # 2 CPU cores, ~10 s
     torchrun --standalone --nproc-per-node 8 gpt/train.py --model gpt2 --data DIR --seq_len 1024 \\
@@ -49,7 +49,7 @@ from model import CONFIGS, GPT, GPTConfig, export
 
 # What a checkpoint records of the run that wrote it; a resume with other values says so in one line.
 RUN = ("data", "max_steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "seed", "batch_size",
-       "grad_accum", "parallel", "precision")
+       "grad_accum", "parallel", "tp", "precision")
 GC_EVERY = 100  # steps between garbage collections, on every rank at once
 # Dense bf16 tensor-core peak per GPU in TFLOP/s (NVIDIA's datasheets give twice these, with sparsity); TF32 is
 # half of it. The first key found in the device's name wins: a variant before its family's name.
@@ -78,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="ddp: a replica per rank; fsdp: every block sharded over all ranks;\n"
                         "hsdp: sharded within groups of --shard_size ranks, replicated across them")
     p.add_argument("--shard_size", type=int, help="hsdp: ranks per shard group (default: the ranks of one node)")
+    p.add_argument("--tp", type=int, default=1, help="fsdp: tensor parallel over groups of this many neighbouring "
+                                                      "ranks,\nwhich read the same batch (1: none)")
     p.add_argument("--max_steps", type=int, default=300, help="optimizer steps in the whole run")
     p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per micro-step")
     p.add_argument("--grad_accum", type=int, default=1, help="micro-steps per optimizer step")
@@ -129,6 +131,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--vocab_size is for files; the synthetic data has {data.SYNTHETIC_VOCAB} tokens")
     if args.shard_size is not None and (args.parallel != "hsdp" or args.shard_size < 1):
         p.error("--shard_size is for --parallel hsdp, and must be at least 1")
+    if args.tp < 1:
+        p.error("--tp must be at least 1")
+    if args.tp > 1 and args.parallel != "fsdp":  # DDP takes no DTensor parameters; hsdp × tp is not proven yet
+        p.error(f"--tp {args.tp} needs --parallel fsdp (over the data-parallel ranks; --tp alone: as many ranks)")
+    if args.tp > 1 and (args.compile or args.precision != "fp32"):
+        p.error("--tp is proven in fp32 without --compile so far: leave those out")
     return args
 
 
@@ -211,12 +219,13 @@ def weights_are_finite(model: torch.nn.Module) -> bool:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, tokens: data.Tokens, starts, args: argparse.Namespace, rank: int,
+def evaluate(model: torch.nn.Module, tokens: data.Tokens, starts, args: argparse.Namespace, mesh, rank: int,
              world_size: int, device: torch.device, autocast) -> float:
     """The mean loss per token over the whole validation set, each window counted once.
 
-    Rank r takes windows r, r + N, ...; each rank sums its token losses in float64, and one
-    all-reduce adds the sums and the counts. Every rank runs the same number of forwards, one with
+    Rank r takes windows r, r + N, ... (r and N: its data rank, data_rank()'s); each rank sums its token
+    losses in float64, and one all-reduce adds the sums and the counts (a tp group's, once per rank: the
+    mean is the same). Every rank runs the same number of forwards, one with
     nothing to count where its share runs out first: under FSDP each forward all-gathers weights."""
     model.eval()
     mine = starts[rank::world_size]
@@ -225,7 +234,7 @@ def evaluate(model: torch.nn.Module, tokens: data.Tokens, starts, args: argparse
     for i in range(batches):
         chunk = mine[i * args.batch_size:(i + 1) * args.batch_size]
         x, y = data.windows(tokens.val, chunk if len(chunk) else starts[:1], args.seq_len, device)
-        with autocast:
+        with autocast, parallelize.loss_context(mesh):
             losses = model(x, y)  # (batch × seq), fp32
         if len(chunk):
             totals[0] += losses.double().sum()
@@ -460,7 +469,7 @@ def resume(args: argparse.Namespace, checkpoints: Checkpoints, model: torch.nn.M
         print(f"resuming from {folder}: step {manifest['step']} of {args.max_steps}", flush=True)
         world_size = dist.get_world_size()
         run = {**{f"--{name}": getattr(args, name) for name in RUN}, "ranks": world_size,
-               "global batch": args.batch_size * args.grad_accum * world_size}
+               "global batch": args.batch_size * args.grad_accum * world_size // args.tp}
         changed = [f"{name} {value} (was {manifest['run'].get(name)})" for name, value in run.items()
                    if manifest["run"].get(name) != value]
         if changed:
@@ -488,18 +497,19 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
     with torch.device("meta"):  # no memory: parallelize_gpt gives each rank what it holds, and the weights
         model = GPT(config)
     model = parallelize.parallelize_gpt(model, mesh, args, device)
+    dp_rank, dp_size = parallelize.data_rank(mesh, rank, world_size)  # a tp group's ranks read the same batch
     gpt = model.module if isinstance(model, DDP) else model  # .module: DDP's wrapped model
     optimizer = make_optimizer(model, args, device)
     dtype = DTYPES[args.precision]
     # DDP computes in `dtype` under autocast; FSDP casts its weights through the policy instead.
     autocast = torch.autocast(device.type, dtype=dtype, enabled=args.parallel == "ddp" and dtype != torch.float32)
     scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")  # fp16's range needs scaling
-    global_batch = args.batch_size * args.grad_accum * world_size
+    global_batch = args.batch_size * args.grad_accum * dp_size
     val_starts = data.val_starts(len(tokens.val), args.seq_len, args.val_tokens)
     peak = peak_flops(args, device)
     metrics = None
     if rank == 0:
-        shape = " × ".join(map(str, mesh.shape)) if args.parallel == "hsdp" else ""
+        shape = " × ".join(map(str, mesh.shape)) if mesh is not None and mesh.ndim > 1 else ""
         print(f"gpt {args.model} ({gpt.num_params() / 1e6:.2f}M parameters) | {args.parallel} on {world_size} "
               f"rank{'s' if world_size > 1 else ''}{f' ({shape} mesh)' if shape else ''}, {device.type} | "
               f"data {tokens.name} (vocab {tokens.vocab_size}) | global batch {global_batch} × {args.seq_len} tokens",
@@ -563,15 +573,16 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
             for group in optimizer.param_groups:
                 group["lr"] = lr
             starts = data.batch_starts(step, args.seed, len(tokens.train), args.seq_len, global_batch)
-            mine = starts[rank * args.batch_size * args.grad_accum:][:args.batch_size * args.grad_accum]
+            mine = starts[dp_rank * args.batch_size * args.grad_accum:][:args.batch_size * args.grad_accum]
             for micro in range(args.grad_accum):
                 x, y = data.windows(tokens.train, mine[micro * args.batch_size:][:args.batch_size], args.seq_len,
                                     device)
-                with parallelize.gradient_sync(model, micro == args.grad_accum - 1), autocast:
-                    # each token's loss (batch × seq), in fp32; / grad_accum: the gradient of the mean over the
-                    # micro-steps (the ranks' mean is DDP's or FSDP's)
-                    loss = model(x, y).mean() / args.grad_accum
-                scaler.scale(loss).backward()
+                with parallelize.loss_context(mesh):  # tp: the forward's and the backward's cross-entropy
+                    with parallelize.gradient_sync(model, micro == args.grad_accum - 1), autocast:
+                        # each token's loss (batch × seq), in fp32; / grad_accum: the gradient of the mean over
+                        # the micro-steps (the ranks' mean is DDP's or FSDP's)
+                        loss = model(x, y).mean() / args.grad_accum
+                    scaler.scale(loss).backward()
                 loss_sum += loss.detach()
             scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
             grad_norm = clip_gradients(model, args.grad_clip)
@@ -608,7 +619,7 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
                 steps_since_log = 0
             if (step + 1) % args.eval_every == 0 or done:
                 eval_started = time.perf_counter()
-                val_loss = evaluate(model, tokens, val_starts, args, rank, world_size, device, autocast)
+                val_loss = evaluate(model, tokens, val_starts, args, mesh, dp_rank, dp_size, device, autocast)
                 record, line = {"step": step + 1, "val_loss": val_loss}, f"step {step + 1} | val_loss {val_loss:.4f}"
                 if tokens.floor is not None:
                     record["floor"] = tokens.floor

@@ -103,6 +103,24 @@ def test_hsdp_on_a_2_by_2_mesh_trains_what_one_process_trains():
     assert_same_training(one_process(), (records, weights, stdout), "hsdp 2 × 2")
 
 
+def test_tensor_parallel_trains_what_one_process_trains():
+    """--tp 2 alone (2 ranks reading one batch) and fsdp 2 × tp 2 (4 ranks), each with --grad_accum: the
+    losses, gradient norms and exported weights of one process on the same 12 sequences a step."""
+    tp_alone = run_split("fsdp", 2, 2, 6, "--tp", "2")
+    assert "fsdp on 2 ranks (1 × 2 mesh)" in tp_alone[2]
+    assert_same_training(one_process(), tp_alone, "tp 2")
+    both = run_split("fsdp", 4, 2, 3, "--tp", "2")
+    assert "fsdp on 4 ranks (2 × 2 mesh)" in both[2]
+    assert_same_training(one_process(), both, "fsdp 2 × tp 2")
+
+
+def test_the_tensor_parallel_proof_fails_with_the_head_untied():
+    broken = train_script("gpt_tp_untied.py", 2, *ARGV, "--parallel", "fsdp", "--tp", "2", "--batch_size", "2",
+                          "--grad_accum", "6")
+    with pytest.raises(AssertionError):
+        assert_same_training(one_process(), broken, "tp with the head untied")
+
+
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_the_proof_fails_without_the_gradient_reduction(parallel):
     """tests/gpt_no_sync.py is gpt/train.py with every backward's gradient sync switched off: each
@@ -221,6 +239,9 @@ def test_every_documented_gpt_command_passes_options_train_py_accepts():
     (["--vocab_size", "100"], "--vocab_size is for files; the synthetic data has 64 tokens"),
     (["--shard_size", "2"], "--shard_size is for --parallel hsdp"),
     (["--parallel", "hsdp", "--shard_size", "2"], "error: --shard_size 2 does not divide the 1 ranks"),
+    (["--tp", "2"], "error: --tp 2 needs --parallel fsdp"),
+    (["--parallel", "fsdp", "--tp", "2"], "error: --tp 2 does not divide the 1 ranks"),
+    (["--parallel", "fsdp", "--tp", "2", "--precision", "bf16"], "error: --tp is proven in fp32 without --compile"),
 ])
 def test_bad_input_gets_one_line_and_a_non_zero_exit(argv, error, text_file):
     names = {"text": text_file, "folder": text_file.parent}
@@ -228,6 +249,14 @@ def test_bad_input_gets_one_line_and_a_non_zero_exit(argv, error, text_file):
     assert result.codes[0] != 0 and error.format(**names) in result.stderr, result.stderr
     said = [line for line in result.stderr.splitlines() if not line.startswith(("usage:", " "))]  # argparse's usage
     assert len(said) == 1 and "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_tp_degree_that_does_not_divide_the_model_is_one_line():
+    result = torchrun_in_process(2, TRAIN, "--parallel", "fsdp", "--tp", "2", "--seq_len", "33", "--max_steps", "1",
+                                 timeout=60)
+    assert result.codes == [1, 1] and "Traceback" not in result.stderr, result.stderr
+    said = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert said == ["error: --tp 2 does not divide the model's seq_len, 33"], result.stderr
 
 
 @pytest.mark.parametrize(("argv", "error"), [

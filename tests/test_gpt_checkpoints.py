@@ -98,6 +98,33 @@ def test_a_checkpoint_resumes_at_another_world_size_or_layout(source, ranks, par
     assert weights(tmp_path / "model.pt").keys() == weights(uninterrupted[source] / "model.pt").keys()
 
 
+def resumed_from(source: Path, ranks: int, folder: Path, *argv: str) -> list[dict]:
+    """Step 20 of `source` resumed to step 24 in `folder` at `ranks` (argv: the split and the layout); the logs."""
+    shutil.copytree(source / "out" / "step_00000020", folder / "out" / "step_00000020")
+    shutil.copy(source / "out" / "metrics.jsonl", folder / "out")
+    result = torchrun_in_process(ranks, TRAIN, *ARGV, *argv, "--export", "model.pt", cwd=folder, timeout=90)
+    assert result.codes == [0] * ranks, result.stderr
+    assert "resuming from out/step_00000020: step 20 of 24" in result.stdouts[0]
+    return [r for r in records(folder) if "loss" in r]
+
+
+def test_checkpoints_reshard_between_tensor_parallel_and_the_other_layouts(uninterrupted, tmp_path):
+    """A ddp checkpoint (2 ranks) resumed at fsdp 2 × tp 2 (4 ranks), and one written by tp 2 alone resumed
+    by ddp on 2 ranks: the steps after 20 within 1e-5 of the run that wrote it, as between other layouts."""
+    logged = resumed_from(uninterrupted[2], 4, tmp_path / "to_tp", *split(2), "--parallel", "fsdp", "--tp", "2")
+    reference = [r for r in records(uninterrupted[2]) if "loss" in r]
+    np.testing.assert_allclose([r["loss"] for r in logged], [r["loss"] for r in reference], rtol=1e-5)
+    written = tmp_path / "tp"
+    written.mkdir()
+    result = torchrun_in_process(2, TRAIN, *ARGV, *split(1), "--parallel", "fsdp", "--tp", "2", cwd=written,
+                                 timeout=90)
+    assert result.codes == [0, 0], result.stderr
+    logged = resumed_from(written, 2, tmp_path / "from_tp", *split(2))
+    reference = [r for r in records(written) if "loss" in r]
+    assert [r["step"] for r in logged] == list(range(1, 25))
+    np.testing.assert_allclose([r["loss"] for r in logged], [r["loss"] for r in reference], rtol=1e-5)
+
+
 def test_a_worker_killed_at_a_random_step_costs_nothing(uninterrupted, tmp_path):
     """torchrun --max-restarts 3, 3 ranks, ddp, fp32: one worker SIGKILLed as it starts a step drawn
     at random. The restarted job resumes from the last checkpoint, and ends with the weights of a
