@@ -219,17 +219,17 @@ def weights_are_finite(model: torch.nn.Module) -> bool:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, tokens: data.Tokens, starts, args: argparse.Namespace, mesh, rank: int,
-             world_size: int, device: torch.device, autocast) -> float:
+def evaluate(model: torch.nn.Module, tokens: data.Tokens, starts, args: argparse.Namespace, mesh, dp_rank: int,
+             dp_size: int, device: torch.device, autocast) -> float:
     """The mean loss per token over the whole validation set, each window counted once.
 
-    Rank r takes windows r, r + N, ... (r and N: its data rank, data_rank()'s); each rank sums its token
+    Rank r takes windows r, r + N, ... (r and N: dp_rank and dp_size, data_rank()'s); each rank sums its token
     losses in float64, and one all-reduce adds the sums and the counts (a tp group's, once per rank: the
     mean is the same). Every rank runs the same number of forwards, one with
     nothing to count where its share runs out first: under FSDP each forward all-gathers weights."""
     model.eval()
-    mine = starts[rank::world_size]
-    batches = -(-len(starts[0::world_size]) // args.batch_size)  # rank 0 has the most windows
+    mine = starts[dp_rank::dp_size]
+    batches = -(-len(starts[0::dp_size]) // args.batch_size)  # data rank 0 has the most windows
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of losses, tokens)
     for i in range(batches):
         chunk = mine[i * args.batch_size:(i + 1) * args.batch_size]
