@@ -132,7 +132,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int):
     if args.checkpoint and os.path.exists(args.checkpoint):
         latest = Path(args.checkpoint, "latest")  # the last tag that every rank saved whole (written below)
         tag = latest.read_text().strip() if latest.is_file() else "none"
-        if not tag.endswith(run) or "/" in tag or not Path(args.checkpoint, tag).is_dir():
+        if not tag.endswith(f"-{run}") or "/" in tag or not Path(args.checkpoint, tag).is_dir():
             raise SystemExit(f"error: {args.checkpoint} holds no checkpoint of a {run} run to resume (latest: {tag})")
         try:  # each rank reads its own partitions; DeepSpeed's torch.load is weights_only=False: your files only
             start_epoch = engine.load_checkpoint(args.checkpoint, tag)[1]["epoch"]  # the next epoch to run
