@@ -13,37 +13,54 @@ import os
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor import parallel as tp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import GPT
+from model import GPT, GPTConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def check_layout(args: argparse.Namespace, config: GPTConfig, world_size: int) -> None:
+    """A layout that the ranks or the model cannot take, refused before anything is written (a ValueError,
+    one line): --tp must divide the ranks, and the heads (so the width), the vocabulary and the sequence,
+    which tensor_parallel() splits; hsdp's --shard_size must divide the data-parallel ranks."""
+    if world_size % args.tp:
+        raise ValueError(f"--tp {args.tp} does not divide the {world_size} ranks")
+    if args.parallel == "hsdp" and (world_size // args.tp) % shard_size(args, world_size):
+        raise ValueError(f"--shard_size {shard_size(args, world_size)} does not divide the {world_size // args.tp} "
+                         "data-parallel ranks")
+    for what in ("n_head", "n_embd", "vocab_size", "seq_len"):
+        if getattr(config, what) % args.tp:
+            raise ValueError(f"--tp {args.tp} does not divide the model's {what}, {getattr(config, what)}")
+
+
+def shard_size(args: argparse.Namespace, world_size: int) -> int:
+    """hsdp: the ranks of a shard group, --shard_size or a node's (LOCAL_WORLD_SIZE) less tp's."""
+    return args.shard_size or max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) // args.tp)
+
+
 def make_mesh(args: argparse.Namespace, world_size: int, device: torch.device) -> DeviceMesh | None:
-    """The ranks as a mesh: fsdp, one dimension ("shard"); hsdp, ("replicate", "shard"), the shard groups
-    of --shard_size neighbouring ranks (a node by default); ddp needs none."""
+    """The ranks as a mesh (check_layout() said it fits): fsdp, one dimension ("shard"); hsdp, ("replicate",
+    "shard"), the shard groups of shard_size() neighbouring ranks; --tp adds "tp" innermost, so that a tp
+    group is neighbouring ranks (one node on a cluster, where its many collectives are fastest). ddp: none."""
     if args.parallel == "ddp":
         return None
-    if args.parallel == "fsdp" and args.tp == 1:
-        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
-    if args.parallel == "fsdp":  # tp innermost: a tp group is neighbouring ranks, on one node on a cluster
-        if world_size % args.tp:
-            raise ValueError(f"--tp {args.tp} does not divide the {world_size} ranks")
-        return init_device_mesh(device.type, (world_size // args.tp, args.tp), mesh_dim_names=("shard", "tp"))
-    shard = args.shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if world_size % shard:
-        raise ValueError(f"--shard_size {shard} does not divide the {world_size} ranks")
-    return init_device_mesh(device.type, (world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+    dp = world_size // args.tp  # the data-parallel ranks: one per tp group
+    shape, names = (dp,), ("shard",)
+    if args.parallel == "hsdp":
+        shape, names = (dp // shard_size(args, world_size), shard_size(args, world_size)), ("replicate", "shard")
+    if args.tp > 1:
+        shape, names = (*shape, args.tp), (*names, "tp")
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)
 
 
-def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespace,
-                    device: torch.device) -> torch.nn.Module:
+def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespace, device: torch.device,
+                    init: bool = True) -> torch.nn.Module:
     """The model, built on `meta` (no memory), laid out on `mesh` for --parallel and given its starting
     weights: GPT.init_weights(--seed)'s in every layout, each rank drawing the whole values and keeping
-    its shard."""
+    its shard (init=False: left as allocated, for simulate.py, which only counts)."""
     if args.compile:
         compile_model(model)
     if mesh is None:
@@ -56,12 +73,14 @@ def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespac
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     if "tp" in mesh.mesh_dim_names:
         tensor_parallel(model, mesh["tp"])
-        mesh = mesh["shard"]  # FSDP shards each tp shard again, over the data-parallel ranks
+        mesh = mesh[mesh.mesh_dim_names[:-1]]  # FSDP shards each tp shard again, over the data-parallel ranks
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[args.precision], reduce_dtype=torch.float32)  # grads in fp32
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)  # one all-gather per block, freed after use
     fully_shard(model, mesh=mesh, mp_policy=policy)  # the rest: embeddings, final norm, tied head
     model.to_empty(device=device)
+    if not init:
+        return model
     generator = torch.Generator().manual_seed(args.seed)
     with torch.no_grad():
         for name, param in model.named_parameters():  # each full value drawn as GPT.init_weights does
@@ -77,11 +96,9 @@ def tensor_parallel(model: GPT, mesh: DeviceMesh) -> None:
     along the sequence; the norms and the residual stream hold 1/tp of the sequence, all-gathered before
     attention and the MLP. The embeddings and the tied head are split over the vocabulary (wpe over the
     positions), the cross-entropy computed on the vocabulary's shards (loss_context). Every parameter
-    becomes a DTensor on the tp mesh, so that clip_grad_norm_ sees one kind of tensor."""
-    c, n = model.config, mesh.size()
-    for what, size in (("n_head", c.n_head), ("vocab_size", c.vocab_size), ("seq_len", c.seq_len)):
-        if size % n:
-            raise ValueError(f"--tp {n} does not divide the model's {what}, {size}")
+    becomes a DTensor on the tp mesh, so that clip_grad_norm_ sees one kind of tensor. DDP takes no DTensor
+    parameters (torch composes the two only through a private transform, _pre_dp_module_transform in
+    torch/distributed/tensor/parallel/ddp.py), so train.py refuses ddp × tp: fsdp × tp is the layout for it."""
     whole = tp.PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
     plan = {"ln_1": tp.SequenceParallel(), "attn": whole, "ln_2": tp.SequenceParallel(), "mlp": whole,
             "attn.q": tp.ColwiseParallel(), "attn.k": tp.ColwiseParallel(), "attn.v": tp.ColwiseParallel(),
@@ -105,15 +122,23 @@ def tensor_parallel(model: GPT, mesh: DeviceMesh) -> None:
 
 
 def data_rank(mesh: DeviceMesh | None, rank: int, world_size: int) -> tuple[int, int]:
-    """(which share of each batch this rank reads, how many shares): the ranks of one tp group read the same."""
-    if mesh is None or "tp" not in mesh.mesh_dim_names:
-        return rank, world_size
-    return mesh["shard"].get_local_rank(), mesh["shard"].size()
+    """(which share of each batch this rank reads, how many shares): the ranks of one tp group, neighbours
+    (tp innermost), read the same."""
+    tp_size = mesh["tp"].size() if mesh is not None and "tp" in mesh.mesh_dim_names else 1
+    return rank // tp_size, world_size // tp_size
 
 
 def loss_context(mesh: DeviceMesh | None):
     """Around a forward and its backward: under tp, the cross-entropy on the vocabulary's shards."""
     return tp.loss_parallel() if mesh is not None and "tp" in mesh.mesh_dim_names else contextlib.nullcontext()
+
+
+def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """The gradient's global norm (on the device), after clipping it to max_norm (0: no clipping). Sharded,
+    each rank's norm is of its shards: full_tensor() all-reduces them over each dimension of the mesh (a
+    (shard, tp) mesh: two all-reduces, one after the other, which torch warns could be one)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def compile_model(model: GPT) -> None:

@@ -1,6 +1,7 @@
 """The loss curves of several runs over each other, in one PNG: 1 rank against N, or two layouts.
 
     python gpt/plot.py out_1rank out_4ranks --out loss.png
+    python gpt/plot.py --layouts fsdp8.json fsdp4_tp2.json --out layouts.png   # simulate.py --json's figures
 
 Each OUT_DIR is a run's --out_dir: its metrics.jsonl gives the training loss (a line) and the
 validation loss (dots); the floor, where the data has one, is a dotted line. Needs matplotlib
@@ -42,15 +43,50 @@ def plot(out_dirs: list[str], path: str):
     return figure
 
 
+def plot_layouts(files: list[str], path: str):
+    """What rank 0 holds and sends per step in each layout, from simulate.py --json files named for it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [os.path.basename(f).removesuffix(".json") for f in files]
+    figures = []
+    for file in files:
+        with open(file) as f:
+            figures.append(json.load(f)[0])
+    figure, (held, sent) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for axes, key, title in ((held, "held", "held by each rank"), (sent, "wire", "sent by each rank per step")):
+        parts = list(dict.fromkeys(part for fig in figures for part in fig[key]))
+        bottom = [0.0] * len(figures)
+        for part in parts:
+            values = [fig[key].get(part, 0) / 2**30 for fig in figures]
+            axes.bar(names, values, bottom=bottom, label=part)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        axes.set_title(title)
+        axes.set_ylabel("GiB")
+        axes.tick_params(axis="x", labelrotation=20)
+        axes.legend()
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    return figure
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out_dirs", nargs="+", help="runs' --out_dir folders, each with a metrics.jsonl")
+    parser.add_argument("out_dirs", nargs="*", help="runs' --out_dir folders, each with a metrics.jsonl")
+    parser.add_argument("--layouts", nargs="+", help="instead: simulate.py --json files, one bar each")
     parser.add_argument("--out", default="loss.png", help="the PNG to write")
     args = parser.parse_args()
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         parser.error("plot.py needs matplotlib: pip install -r requirements-plot.txt")
+    if args.layouts:
+        plot_layouts(args.layouts, args.out)
+        print(f"wrote {args.out}")
+        return
+    if not args.out_dirs:
+        parser.error("give the runs' --out_dir folders, or --layouts")
     for out_dir in args.out_dirs:
         if not os.path.isfile(os.path.join(out_dir, "metrics.jsonl")):
             parser.error(f"{out_dir}: no metrics.jsonl (give the --out_dir of a run)")

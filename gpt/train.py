@@ -30,10 +30,8 @@ import time
 from dataclasses import asdict
 from datetime import timedelta
 
-import parallelize
 import torch
 import torch.distributed as dist
-from parallelize import DTYPES
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -44,8 +42,10 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
+import parallelize
 from checkpoint import Checkpoints
 from model import CONFIGS, GPT, GPTConfig, export
+from parallelize import DTYPES
 
 # What a checkpoint records of the run that wrote it; a resume with other values says so in one line.
 RUN = ("data", "max_steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "seed", "batch_size",
@@ -77,9 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp"], default="ddp",
                    help="ddp: a replica per rank; fsdp: every block sharded over all ranks;\n"
                         "hsdp: sharded within groups of --shard_size ranks, replicated across them")
-    p.add_argument("--shard_size", type=int, help="hsdp: ranks per shard group (default: the ranks of one node)")
-    p.add_argument("--tp", type=int, default=1, help="fsdp: tensor parallel over groups of this many neighbouring "
-                                                      "ranks,\nwhich read the same batch (1: none)")
+    p.add_argument("--shard_size", type=int, help="hsdp: ranks per shard group (default: a node's ranks / --tp)")
+    p.add_argument("--tp", type=int, default=1, help="fsdp, hsdp: tensor parallel over groups of this many "
+                                                      "neighbouring ranks,\nwhich read the same batch (1: none)")
     p.add_argument("--max_steps", type=int, default=300, help="optimizer steps in the whole run")
     p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per micro-step")
     p.add_argument("--grad_accum", type=int, default=1, help="micro-steps per optimizer step")
@@ -133,10 +133,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--shard_size is for --parallel hsdp, and must be at least 1")
     if args.tp < 1:
         p.error("--tp must be at least 1")
-    if args.tp > 1 and args.parallel != "fsdp":  # DDP takes no DTensor parameters; hsdp × tp is not proven yet
-        p.error(f"--tp {args.tp} needs --parallel fsdp (over the data-parallel ranks; --tp alone: as many ranks)")
-    if args.tp > 1 and (args.compile or args.precision != "fp32"):
-        p.error("--tp is proven in fp32 without --compile so far: leave those out")
+    if args.tp > 1 and args.parallel == "ddp":  # DDP takes no DTensor parameters: parallelize.tensor_parallel
+        p.error(f"--tp {args.tp} needs --parallel fsdp or hsdp (--tp alone: fsdp over as many ranks)")
     return args
 
 
@@ -201,12 +199,6 @@ def make_optimizer(model: torch.nn.Module, args: argparse.Namespace, device: tor
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},  # matrices
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # biases, norms
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
-
-
-def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """The gradient's global norm (on the device), after clipping it to max_norm (0: no clipping)."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm  # sharded: the sum of every shard's
 
 
 def weights_are_finite(model: torch.nn.Module) -> bool:
@@ -481,18 +473,19 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     """The trained model, or the number of the signal that stopped the run before --max_steps (it
     is saved)."""
     tokens = data.load(args.data, args.vocab_size, args.data_dtype)
+    config = GPTConfig(vocab_size=tokens.vocab_size, seq_len=args.seq_len, **CONFIGS[args.model])
+    parallelize.check_layout(args, config, world_size)
     check_input(args, tokens, rank, world_size, device)
     checkpoints = Checkpoints(args.out_dir, rank, world_size, args.keep, args.timeout or 1800.0)
     try:
-        return train_steps(args, tokens, checkpoints, rank, world_size, device)
+        return train_steps(args, config, tokens, checkpoints, rank, world_size, device)
     finally:
         checkpoints.close()  # the save in flight finishes first
 
 
-def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Checkpoints, rank: int,
-                world_size: int, device: torch.device) -> torch.nn.Module | int:
+def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens, checkpoints: Checkpoints,
+                rank: int, world_size: int, device: torch.device) -> torch.nn.Module | int:
     no_lock = checkpoints.lock()
-    config = GPTConfig(vocab_size=tokens.vocab_size, seq_len=args.seq_len, **CONFIGS[args.model])
     mesh = parallelize.make_mesh(args, world_size, device)
     with torch.device("meta"):  # no memory: parallelize_gpt gives each rank what it holds, and the weights
         model = GPT(config)
@@ -585,7 +578,7 @@ def train_steps(args: argparse.Namespace, tokens: data.Tokens, checkpoints: Chec
                     scaler.scale(loss).backward()
                 loss_sum += loss.detach()
             scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
-            grad_norm = clip_gradients(model, args.grad_clip)
+            grad_norm = parallelize.clip_gradients(model, args.grad_clip)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)

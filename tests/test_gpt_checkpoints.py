@@ -108,30 +108,49 @@ def resumed_from(source: Path, ranks: int, folder: Path, *argv: str) -> list[dic
     return [r for r in records(folder) if "loss" in r]
 
 
-def test_checkpoints_reshard_between_tensor_parallel_and_the_other_layouts(uninterrupted, tmp_path):
-    """A ddp checkpoint (2 ranks) resumed at fsdp 2 × tp 2 (4 ranks), and one written by tp 2 alone resumed
-    by ddp on 2 ranks: the steps after 20 within 1e-5 of the run that wrote it, as between other layouts."""
-    logged = resumed_from(uninterrupted[2], 4, tmp_path / "to_tp", *split(2), "--parallel", "fsdp", "--tp", "2")
-    reference = [r for r in records(uninterrupted[2]) if "loss" in r]
+# fsdp 2 × tp 2 on 4 ranks: 2 data-parallel ranks, one micro-step each (tp's are slow on CPUs: many small collectives)
+TP = ["--parallel", "fsdp", "--tp", "2", "--batch_size", "6", "--grad_accum", "1"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_tp(tmp_path_factory) -> Path:
+    """The folder of a run that nothing interrupts at fsdp 2 × tp 2 (4 ranks)."""
+    folder = tmp_path_factory.mktemp("whole_tp")
+    result = torchrun_in_process(4, TRAIN, *ARGV, *TP, "--export", "model.pt", cwd=folder, timeout=90)
+    assert result.codes == [0] * 4, result.stderr
+    return folder
+
+
+@pytest.mark.parametrize(("ranks", "layout"), [(4, ["--parallel", "fsdp", *split(4)]), (2, split(2)), (1, split(1))],
+                         ids=["fsdp4", "ddp2", "1rank"])
+def test_a_tensor_parallel_checkpoint_resumes_in_the_other_layouts(ranks, layout, uninterrupted_tp, tmp_path):
+    """Step 20 of fsdp 2 × tp 2 resumed at fsdp 4, at ddp on 2 ranks and in one process: the steps after 20
+    within 1e-5 of the run that wrote it, as between other layouts (DCP reshards the tp shards too)."""
+    logged = resumed_from(uninterrupted_tp, ranks, tmp_path, *layout)
+    reference = [r for r in records(uninterrupted_tp) if "loss" in r]
+    assert [r["step"] for r in logged] == list(range(1, 25))
     np.testing.assert_allclose([r["loss"] for r in logged], [r["loss"] for r in reference], rtol=1e-5)
-    written = tmp_path / "tp"
-    written.mkdir()
-    result = torchrun_in_process(2, TRAIN, *ARGV, *split(1), "--parallel", "fsdp", "--tp", "2", cwd=written,
-                                 timeout=90)
-    assert result.codes == [0, 0], result.stderr
-    logged = resumed_from(written, 2, tmp_path / "from_tp", *split(2))
-    reference = [r for r in records(written) if "loss" in r]
+    assert [r["lr"] for r in logged] == [r["lr"] for r in reference]
+
+
+def test_a_ddp_checkpoint_resumes_at_hsdp_by_tp(uninterrupted, tmp_path):
+    """A ddp checkpoint (2 ranks) resumed at hsdp 2 × 2 × tp 2 (8 ranks), within 1e-5 of the run that wrote it."""
+    logged = resumed_from(uninterrupted[2], 8, tmp_path, *split(4), "--parallel", "hsdp", "--shard_size", "2",
+                          "--tp", "2")
+    reference = [r for r in records(uninterrupted[2]) if "loss" in r]
     assert [r["step"] for r in logged] == list(range(1, 25))
     np.testing.assert_allclose([r["loss"] for r in logged], [r["loss"] for r in reference], rtol=1e-5)
 
 
-def test_a_worker_killed_at_a_random_step_costs_nothing(uninterrupted, tmp_path):
-    """torchrun --max-restarts 3, 3 ranks, ddp, fp32: one worker SIGKILLed as it starts a step drawn
-    at random. The restarted job resumes from the last checkpoint, and ends with the weights of a
+@pytest.mark.parametrize("layout", ["ddp", "fsdp 2 × tp 2"])
+def test_a_worker_killed_at_a_random_step_costs_nothing(layout, uninterrupted, uninterrupted_tp, tmp_path):
+    """torchrun --max-restarts 3, ddp on 3 ranks or fsdp 2 × tp 2 on 4, fp32: one worker SIGKILLed as it starts
+    a step drawn at random. The restarted job resumes from the last checkpoint, and ends with the weights of a
     run that nothing interrupted, bit for bit; every step's learning rate is logged once, and the same."""
-    rank, step = random.randrange(3), random.randrange(2, 25)
-    result = run([TORCHRUN, "--standalone", "--nproc-per-node", "3", "--max-restarts", "3", TRAIN, *ARGV, *split(3),
-                  "--out_dir", str(tmp_path / "out"), "--export", str(tmp_path / "model.pt")],
+    nproc, argv, reference = (3, split(3), uninterrupted[3]) if layout == "ddp" else (4, TP, uninterrupted_tp)
+    rank, step = random.randrange(nproc), random.randrange(2, 25)
+    result = run([TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "3", TRAIN, *ARGV,
+                  *argv, "--out_dir", str(tmp_path / "out"), "--export", str(tmp_path / "model.pt")],
                  env={**INJECT, "KILL_RANK": str(rank), "KILL_AT": f"step:{step}"}, timeout=150)
     assert result.returncode == 0, f"rank {rank} at step {step}\n{result.stdout}\n{result.stderr[-3000:]}"
     assert f"[inject] SIGKILL rank {rank} at step {step}" in result.stdout
@@ -139,20 +158,23 @@ def test_a_worker_killed_at_a_random_step_costs_nothing(uninterrupted, tmp_path)
     resumed = [int(s) for s in re.findall(r"resuming from \S+/step_(\d+): ", result.stdout)]
     last = (step - 1) // 4 * 4
     assert len(resumed) <= 1 and (resumed or [0])[0] in (last, max(0, last - 4)), (step, resumed)  # [] from 0
-    assert_bitwise(tmp_path / "model.pt", uninterrupted[3] / "model.pt")
+    assert_bitwise(tmp_path / "model.pt", reference / "model.pt")
     logged = [r for r in records(tmp_path) if "loss" in r]
-    assert [r["lr"] for r in logged] == [r["lr"] for r in records(uninterrupted[3]) if "loss" in r]
+    assert [r["lr"] for r in logged] == [r["lr"] for r in records(reference) if "loss" in r]
     assert [r["step"] for r in logged] == list(range(1, 25))
 
 
-@pytest.mark.parametrize("to", ["all", "one worker"])
+@pytest.mark.parametrize("to", ["all", "one worker of tp 2"])
 def test_sigterm_saves_the_step_in_flight_and_the_same_command_finishes_the_run(to, tmp_path):
     """SIGTERM mid-run to torchrun and to every worker, as Slurm sends it before a preemption (so
     each worker gets it twice: torchrun passes its own on), or to one worker alone (the others learn
-    of it at the next step's agreement): every rank stops after the same step, saves it, and exits
-    within torchrun's 30 s. The same command resumes from that step, not an older one, and ends with
-    the weights of a run that nothing stopped."""
-    argv = [*ARGV, *split(2), "--max_steps", "400", "--save_every", "1000"]
+    of it at the next step's agreement; here under tp 2, 2 ranks of one data-parallel rank): every rank
+    stops after the same step, saves it, and exits within torchrun's 30 s. The same command resumes from
+    that step, not an older one, and ends with the weights of a run that nothing stopped."""
+    # tp's steps are slower (4 collectives a block and pass): fewer, still far more than a stop takes to agree
+    layout, steps = (["--parallel", "fsdp", "--tp", "2", "--batch_size", "12", "--grad_accum", "1"], 60) if "tp" in to \
+        else (split(2), 400)
+    argv = [*ARGV, *layout, "--max_steps", str(steps), "--save_every", "1000"]
     command = [TORCHRUN, "--standalone", "--nproc-per-node", "2", TRAIN, *argv, "--out_dir", str(tmp_path / "out"),
                "--export", str(tmp_path / "model.pt")]
     group = Group(tmp_path)
@@ -172,7 +194,7 @@ def test_sigterm_saves_the_step_in_flight_and_the_same_command_finishes_the_run(
     assert not (tmp_path / "model.pt").exists()  # --export is for the model at --max_steps
     rerun = run(command, timeout=120)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert f"step {step} of 400" in rerun.stdout
+    assert f"step {step} of {steps}" in rerun.stdout
     (tmp_path / "whole").mkdir()
     whole = torchrun_in_process(2, TRAIN, *argv, "--export", "model.pt", cwd=tmp_path / "whole", timeout=120)
     assert whole.codes == [0, 0], whole.stderr

@@ -1,0 +1,192 @@
+"""What each rank holds and sends in a layout of train.py: counted in a real run, or simulated in one
+process at any number of ranks.
+
+    torchrun --nproc-per-node 4 gpt/simulate.py --parallel fsdp --tp 2 --model tiny --vocab_size 64 --seq_len 32
+    python gpt/simulate.py --ranks 4 --parallel fsdp --tp 2 --model tiny --vocab_size 64 --seq_len 32  # the same
+    python gpt/simulate.py --ranks 1024 --parallel hsdp --shard_size 16 --tp 8 --model 6.7b --precision bf16
+
+Both lay the model out through parallelize.py, as train.py does, and run one training step (forward and
+backward under the tp loss, clipping, AdamW) on --batch_size sequences per data-parallel rank, while
+Collectives records every collective: which, on which dimension of the mesh, of how many bytes. Simulated,
+the process group is torch's fake one (each collective returns at once, its result garbage) and the step
+runs under FakeTensorMode (activations, gradients and optimizer state have shapes but no memory, nor any
+arithmetic), so one rank of a 6.7B model among 1,024 takes seconds on a laptop; each rank's own shards of
+the parameters are real, and small. Shapes, not values, decide what is sent, so the two count the same.
+"""
+import argparse
+import contextlib
+import functools
+import json
+import multiprocessing
+import os
+import sys
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import parallelize
+from model import CONFIGS, GPT, GPTConfig
+
+# Past train.py's sizes, for the simulation only: GPT-2 XL (1.5B) and GPT-3's 6.7B and 13B shapes.
+SIZES = {**CONFIGS, "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
+         "6.7b": dict(n_layer=32, n_head=32, n_embd=4096), "13b": dict(n_layer=40, n_head=40, n_embd=5120)}
+# The collectives of c10d (FSDP's) and of the functional API (DTensor's), by what they do.
+KINDS = {"_allgather_base_": "all-gather", "allgather_": "all-gather", "all_gather_into_tensor": "all-gather",
+         "_reduce_scatter_base_": "reduce-scatter", "reduce_scatter_": "reduce-scatter",
+         "reduce_scatter_tensor": "reduce-scatter", "allreduce_": "all-reduce", "allreduce_coalesced_": "all-reduce",
+         "all_reduce": "all-reduce", "alltoall_base_": "all-to-all", "all_to_all_single": "all-to-all",
+         "broadcast_": "broadcast"}
+# Bytes each rank sends, as a share of the collective's whole tensor, in a ring of n ranks.
+WIRE = {"all-gather": lambda n: (n - 1) / n, "reduce-scatter": lambda n: (n - 1) / n,
+        "all-reduce": lambda n: 2 * (n - 1) / n, "all-to-all": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+
+
+class Collectives(TorchDispatchMode):
+    """Every collective dispatched inside it, as {mesh dimension: {kind: [count, bytes]}}: the bytes are
+    each collective's whole tensor (an all-gather's output, a reduce-scatter's input, an all-reduce's
+    tensor), its largest; WIRE says what a ring sends of it. FSDP's collectives come as c10d ops, with
+    their process group; DTensor's as functional ones, with the group's name."""
+
+    def __init__(self, mesh) -> None:
+        super().__init__()
+        if mesh is None:  # ddp: every rank in one group
+            self.dims, self.sizes = {dist.group.WORLD.group_name: "world"}, {"world": dist.get_world_size()}
+        else:
+            self.dims = {mesh.get_group(name).group_name: name for name in mesh.mesh_dim_names}
+            self.sizes = {name: mesh[name].size() for name in mesh.mesh_dim_names}
+        self.sent = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if DTensor in types:  # DTensor first: the collectives its op turns into come back here (CommDebugMode's way)
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        kind = KINDS.get(func.__name__.split(".")[0]) if func.namespace in ("c10d", "_c10d_functional") else None
+        if kind:
+            flat = [t for a in (*args, out) for t in (a if isinstance(a, list | tuple) else [a])]
+            if func.namespace == "c10d":  # the process group, boxed for the dispatcher
+                group = next(dist.ProcessGroup.unbox(a).group_name for a in flat
+                             if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()))
+            else:  # the group's name, the last string (after the reduce op's)
+                group = [a for a in args if isinstance(a, str)][-1]
+            entry = self.sent[self.dims.get(group, "other")][kind]
+            entry[0] += 1
+            entry[1] += max(t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor))
+        return out
+
+
+def held(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of this rank's parameters, gradients and AdamW moments (its shards of each)."""
+    def local(t: torch.Tensor) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+    params = list(model.parameters())
+    moments = [s[k] for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    return {"parameters": sum(map(local, params)), "gradients": sum(local(p.grad) for p in params),
+            "optimizer": sum(map(local, moments))}
+
+
+def one_step(args: argparse.Namespace, world_size: int, device: torch.device, fake: bool) -> dict:
+    """This rank's bytes held and sent, per mesh dimension, in one training step of args' layout."""
+    config = GPTConfig(vocab_size=args.vocab_size, seq_len=args.seq_len, **SIZES[args.model])
+    parallelize.check_layout(args, config, world_size)
+    mesh = parallelize.make_mesh(args, world_size, device)
+    with torch.device("meta"):
+        model = GPT(config)
+    model = parallelize.parallelize_gpt(model, mesh, args, device, init=not fake)
+    optimizer = torch.optim.AdamW(model.parameters())
+    counted = Collectives(mesh)
+    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(), counted:
+        x, y = torch.randint(args.vocab_size, (2, args.batch_size, args.seq_len), device=device)
+        with parallelize.loss_context(mesh):
+            model(x, y).mean().backward()
+        parallelize.clip_gradients(model, 1.0)
+        optimizer.step()
+        bytes_held = held(model, optimizer)
+    sent = {dim: dict(kinds) for dim, kinds in counted.sent.items()}
+    wire = {dim: round(sum(total * WIRE[kind](counted.sizes[dim]) for kind, (_, total) in kinds.items()))
+            for dim, kinds in sent.items()}  # what this rank sends on each dimension, in a ring
+    return {"mesh": dict(counted.sizes), "held": bytes_held, "sent": sent, "wire": wire}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=SIZES, default="gpt2", help="gpt/model.py's CONFIGS, and larger ones")
+    p.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp"], default="fsdp", help="as train.py's")
+    p.add_argument("--shard_size", type=int, help="hsdp: ranks per shard group (default: 8 / --tp)")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel ranks, innermost, as train.py's")
+    p.add_argument("--batch_size", type=int, default=1, help="sequences per data-parallel rank")
+    p.add_argument("--seq_len", type=int, default=1024, help="tokens per sequence")
+    p.add_argument("--vocab_size", type=int, default=50304, help="GPT-2's, padded to a multiple of 64")
+    p.add_argument("--precision", choices=parallelize.DTYPES, default="fp32", help="the compute dtype")
+    p.add_argument("--ranks", type=int, help="simulate this many ranks (default: torchrun's, counted for real)")
+    p.add_argument("--every_rank", action="store_true", help="simulate each rank in turn, not only rank 0")
+    p.add_argument("--json", action="store_true", help="one JSON list of the ranks' figures, for tests")
+    args = p.parse_args(argv)
+    args.compile, args.seed = False, 0  # what parallelize.py reads of train.py's other flags
+    if args.shard_size is None and args.parallel == "hsdp":
+        args.shard_size = max(1, 8 // args.tp)  # a node of 8 GPUs
+    if (args.ranks is None) == ("RANK" not in os.environ):
+        p.error("give --ranks to simulate, or start under torchrun to count a real run, not both")
+    if args.ranks and args.parallel == "ddp":  # and DDP's reducer fails on the fake group's results
+        p.error("ddp holds the whole model on every rank and all-reduces every gradient once a step: count it "
+                "under torchrun")
+    return args
+
+
+def size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:,.0f} B" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+
+
+def report(args: argparse.Namespace, world_size: int, figures: dict, simulated: bool) -> str:
+    mesh = " × ".join(f"{name} {n}" for name, n in figures["mesh"].items())
+    lines = [f"{args.model} | {args.parallel} on {world_size:,} ranks ({mesh}) | {args.precision} | "
+             f"{args.batch_size} × {args.seq_len} tokens per data-parallel rank | "
+             f"{'simulated' if simulated else 'counted in a real run'}",
+             "held by rank 0: " + " | ".join(f"{k} {size(v)}" for k, v in figures["held"].items()),
+             f"{'sent in one step':<26}{'count':>6}{'whole tensors':>15}{'each rank sends':>17}"]
+    for dim, kinds in figures["sent"].items():
+        for kind, (count, total) in kinds.items():
+            lines.append(f"  {dim + ' ' + kind:<24}{count:>6}{size(total):>15}"
+                         f"{size(total * WIRE[kind](figures['mesh'][dim])):>17}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.ranks is None:  # under torchrun: count what these ranks really send
+        dist.init_process_group("gloo")
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        torch.set_num_threads(1)
+        figures = [None] * world_size
+        dist.all_gather_object(figures, one_step(args, world_size, torch.device("cpu"), fake=False))
+        dist.destroy_process_group()
+        if rank == 0:
+            print(json.dumps(figures) if args.json else report(args, world_size, figures[0], False))
+        return
+    ranks = range(args.ranks if args.every_rank else 1)
+    # Each rank in a process of its own, forked: the fake process group (and DeviceMesh's groups) once per process.
+    with multiprocessing.get_context("fork").Pool(min(len(ranks), os.cpu_count() or 1), maxtasksperchild=1) as pool:
+        figures = pool.map(functools.partial(simulate, args), ranks)
+    if isinstance(figures[0], str):  # a layout the ranks or the model cannot take, said as train.py says it
+        sys.exit(f"error: {figures[0]}")
+    print(json.dumps(figures) if args.json else report(args, args.ranks, figures[0], True))
+
+
+def simulate(args: argparse.Namespace, rank: int) -> dict | str:
+    """One rank's figures, in a process of torch's fake process group of args.ranks (or the ValueError's words)."""
+    dist.init_process_group("fake", rank=rank, world_size=args.ranks)  # torch's FakeProcessGroup: no peers, no store
+    try:
+        return one_step(args, args.ranks, torch.device("cpu"), fake=True)
+    except ValueError as error:
+        return str(error)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""gpt/simulate.py: what each rank of a layout holds and sends in one step, counted in a real run (gloo) and
+simulated in one process (torch's fake process group); the two equal, and both equal the formulas: the
+bytes of each rank's shards, and the collectives tensor parallel's plan and FSDP make, counted by hand.
+
+The formulas are written here from the model's shapes, not read from the code they check."""
+import functools
+import json
+import math
+import sys
+
+import pytest
+from harness import torchrun_in_process
+from launch import REPO, run
+
+sys.path.insert(0, str(REPO))
+from gpt.model import CONFIGS, GPTConfig  # noqa: E402
+
+SIMULATE = "gpt/simulate.py"
+TINY = ["--model", "tiny", "--vocab_size", "64", "--seq_len", "32", "--batch_size", "2"]
+# (ranks, layout): every dimension a mesh can have, each size dividing every shape (no padding to count).
+LAYOUTS = {"fsdp 4": (4, ["--parallel", "fsdp"]), "tp 2": (2, ["--parallel", "fsdp", "--tp", "2"]),
+           "hsdp 2 × 2 × tp 2": (8, ["--parallel", "hsdp", "--shard_size", "2", "--tp", "2"])}
+
+
+@functools.cache
+def simulated(ranks: int, *argv: str) -> list[dict]:
+    result = run([sys.executable, SIMULATE, "--ranks", str(ranks), *argv, "--json"], timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def test_the_simulation_counts_what_a_real_run_sends():
+    """hsdp 2 × 2 × tp 2: 8 real ranks on gloo, and each of the 8 simulated in one process: every rank's bytes
+    held, and its count and bytes of each collective on each mesh dimension, equal."""
+    ranks, layout = LAYOUTS["hsdp 2 × 2 × tp 2"]
+    real = torchrun_in_process(ranks, SIMULATE, *TINY, *layout, "--json", timeout=120)
+    assert real.codes == [0] * ranks, real.stderr
+    counted = json.loads(real.stdouts[0])
+    assert set(counted[0]["sent"]) == {"replicate", "shard", "tp"}
+    assert counted == simulated(ranks, *TINY, *layout, "--every_rank")
+
+
+def split_by_tp(name: str) -> bool:
+    """Whether tensor parallel splits this parameter: all but the norms' and the row-parallel layers' biases."""
+    return not (".ln_" in name or name.startswith("ln_f") or name.endswith(("attn.o.bias", "mlp.proj.bias")))
+
+
+def shapes(config: GPTConfig) -> dict[str, int]:
+    """The GPT's parameters and their sizes, the tied head once, written out from gpt/model.py's shapes."""
+    h, v, s = config.n_embd, config.vocab_size, config.seq_len
+    block = {"ln_1.weight": h, "ln_1.bias": h, "ln_2.weight": h, "ln_2.bias": h, "mlp.fc.weight": 4 * h * h,
+             "mlp.fc.bias": 4 * h, "mlp.proj.weight": 4 * h * h, "mlp.proj.bias": h,
+             **{f"attn.{x}.weight": h * h for x in "qkvo"}, **{f"attn.{x}.bias": h for x in "qkvo"}}
+    return {"wte.weight": v * h, "wpe.weight": s * h, "ln_f.weight": h, "ln_f.bias": h,
+            **{f"blocks.{i}.{k}": n for i in range(config.n_layer) for k, n in block.items()}}
+
+
+def plan(config: GPTConfig, batch: int, mesh: dict[str, int]) -> tuple[int, dict]:
+    """(bytes of rank 0's parameters, {dimension: {collective: [count, bytes]}}) in fp32, from the shapes: FSDP
+    gathers each block in the forward and again in the backward (freed between), the root (embeddings, final
+    norm, tied head) once; it reduce-scatters each group's gradients once, and HSDP all-reduces each group's
+    shard across the replicas. Tensor parallel with sequence parallel: per block, an all-gather before attention
+    and the MLP and a reduce-scatter after each (b × s × h), and the reverse in the backward; wte's and wpe's
+    outputs reduce-scattered, the head's input gathered (and the reverse in the backward); the norms' gradients,
+    summed over the sequence's shards, all-reduced (4 a block, 2 for ln_f); the loss on the vocabulary's shards,
+    3 all-reduces of b × s (the max, the sum of exponentials, the target's logit). Clipping: the norm of each
+    parameter, all-reduced once over each dimension that splits parameters."""
+    L, h, s = config.n_layer, config.n_embd, config.seq_len
+    tp, shard = mesh.get("tp", 1), mesh.get("shard", 1)
+    local = {name: n // (tp if split_by_tp(name) else 1) for name, n in shapes(config).items()}  # one tp rank's
+    block = sum(n for name, n in local.items() if name.startswith("blocks.0."))
+    root = sum(n for name, n in local.items() if not name.startswith("blocks."))
+    per_rank = 4 * sum(local.values()) // shard
+    sent = {}
+    if shard > 1:  # a shard group of one rank (tp alone) sends nothing
+        sent["shard"] = {"all-gather": [2 * L + 1, 4 * (2 * L * block + root)],
+                         "reduce-scatter": [L + 1, 4 * (L * block + root)], "all-reduce": [1, 4 * len(local)]}
+    if "replicate" in mesh:
+        sent["replicate"] = {"all-reduce": [L + 1, per_rank]}
+    if tp > 1:
+        bsh = 4 * batch * s * h
+        sent["tp"] = {"all-gather": [4 * L + 3, (4 * L + 2) * bsh + 4 * s * h],
+                      "reduce-scatter": [4 * L + 3, (4 * L + 2) * bsh + 4 * s * h],
+                      "all-reduce": [4 * L + 2 + 3 + 1, 4 * (4 * L + 2) * h + 3 * 4 * batch * s + 4 * len(local)]}
+    return per_rank, sent
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_ranks_bytes_and_collectives_equal_the_formulas(layout):
+    ranks, argv = LAYOUTS[layout]
+    every = simulated(ranks, *TINY, *argv, "--every_rank")
+    assert all(rank == every[0] for rank in every)  # no rank holds or sends more: every shape divides
+    figures = every[0]
+    config = GPTConfig(vocab_size=64, seq_len=32, **CONFIGS["tiny"])
+    params, sent = plan(config, 2, figures["mesh"])
+    assert figures["held"] == {"parameters": params, "gradients": params, "optimizer": 2 * params}
+    assert figures["sent"] == sent
+    # The Playbook's ZeRO-3 rule, Ψ / (shard × tp) per rank, less what tp leaves whole on each of its ranks (norms
+    # and two biases a block): within 1% at these sizes.
+    psi = 4 * sum(shapes(config).values())
+    assert math.isclose(params, psi / (figures["mesh"].get("shard", 1) * figures["mesh"].get("tp", 1)), rel_tol=2e-2)
+
+
+def test_gpt2_at_1024_ranks_is_simulated_and_still_equals_the_formulas():
+    """GPT-2 124M on hsdp 16 × 16 × tp 4: 1,024 ranks, each a process a laptop could not start, in one process."""
+    (figures,) = simulated(1024, "--model", "gpt2", "--parallel", "hsdp", "--shard_size", "16", "--tp", "4",
+                           "--batch_size", "1")
+    assert figures["mesh"] == {"replicate": 16, "shard": 16, "tp": 4}
+    params, sent = plan(GPTConfig(vocab_size=50304, seq_len=1024, **CONFIGS["gpt2"]), 1, figures["mesh"])
+    assert figures["held"]["parameters"] == params
+    assert figures["sent"] == sent
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["--ranks", "1024", "--model", "gpt2", "--tp", "8"], "error: --tp 8 does not divide the model's n_head, 12"),
+    (["--ranks", "2", "--parallel", "ddp"], "ddp holds the whole model on every rank"),
+    ([], "give --ranks to simulate, or start under torchrun")])
+def test_a_layout_that_cannot_be_built_is_one_line(argv, error):
+    result = run([sys.executable, SIMULATE, *argv], timeout=60)
+    assert result.returncode != 0 and error in result.stderr, result.stderr
+    said = [line for line in result.stderr.splitlines() if not line.startswith(("usage:", " "))]
+    assert len(said) == 1 and "Traceback" not in result.stderr, result.stderr
