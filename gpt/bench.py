@@ -5,6 +5,7 @@
     python gpt/bench.py --world_sizes 2 --save_every 5      # what asynchronous checkpoints cost
     python gpt/bench.py --world_sizes 1 --resume            # a resumed run against a fresh one
     python gpt/bench.py --world_sizes 2 4 --stop_agreement  # what agreeing on a stop costs a step
+    python gpt/bench.py --world_sizes 4 --tp 1 2 4          # fsdp 4, fsdp 2 × tp 2, tp 4: tokens/s and bytes
 
 Each world size runs train.py under torchrun `--repeats` times with the same per-rank batch (weak
 scaling), in a temporary --out_dir, and reads tokens_per_s from its metrics.jsonl, leaving out the
@@ -106,6 +107,34 @@ def stop_agreement(world_sizes: list[int], repeats: int, cores: int) -> None:
         print(f"{world_size:>5} {1e3 * alone:>9.2f} ms {costs[0]:>32} {costs[1]:>30}", flush=True)
 
 
+def tensor_parallel(world_size: int, degrees: list[int], train_args: list[str], repeats: int, cores: int) -> None:
+    """fsdp with each tp degree at one world size, on one global batch (--batch_size × tp per tp group): the
+    tokens/s, and beside them what rank 0 holds and sends a step, as simulate.py counts them."""
+    train_parser = argparse.ArgumentParser(add_help=False)  # train.py's defaults; the last one given wins
+    for name, default in (("--batch_size", 8), ("--seq_len", 64), ("--vocab_size", 64)):
+        train_parser.add_argument(name, type=int, default=default)
+    train_parser.add_argument("--model", default="mini")  # 4 heads: tp up to 4
+    known = train_parser.parse_known_args(train_args)[0]
+    threads = 1 if torch.cuda.is_available() else max(1, cores // world_size)
+    print(f"{'layout':>18} {'tokens/s (median)':>18} {'min':>10} {'max':>10} {'held per rank':>14} "
+          f"{'sent per step':>14}")
+    for tp in degrees:
+        layout = ["--model", known.model, "--parallel", "fsdp", "--tp", str(tp), "--batch_size",
+                  str(known.batch_size * tp)]
+        runs = [statistics.median(run(world_size, [*train_args, *layout], threads)) for _ in range(repeats)]
+        command = [sys.executable, os.path.join(HERE, "simulate.py"), "--ranks", str(world_size), *layout,
+                   "--seq_len", str(known.seq_len), "--vocab_size", str(known.vocab_size), "--json"]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise SystemExit(f"error: simulate.py at tp {tp}: {result.stderr.strip().splitlines()[-1]}")
+        figures = json.loads(result.stdout)[0]
+        name = f"fsdp {world_size // tp} × tp {tp}" if 1 < tp < world_size else f"tp {tp}" if tp > 1 else \
+            f"fsdp {world_size}"
+        print(f"{name:>18} {statistics.median(runs):>18,.0f} {min(runs):>10,.0f} {max(runs):>10,.0f} "
+              f"{sum(figures['held'].values()) / 2**20:>10.2f} MiB {sum(figures['wire'].values()) / 2**20:>10.2f} MiB",
+              flush=True)
+
+
 def cost(with_it: list[float], without: list[float], alone: float) -> str:
     """The median extra time per step, in us and as a share of a step alone, [min, max]."""
     extra = sorted(1e6 * (t - a) for t, a in zip(with_it, without, strict=True))
@@ -131,6 +160,9 @@ def main() -> None:
                                                               "with the same steps of a fresh run")
     parser.add_argument("--stop_agreement", action="store_true", help="instead: what agreeing on a stop costs a "
                                                                       "step, the old way and train.py's")
+    parser.add_argument("--tp", type=int, nargs="+", help="instead: fsdp with each of these tp degrees at the last of "
+                                                          "--world_sizes,\non one global batch, and what each rank "
+                                                          "holds and sends (simulate.py)")
     parser.add_argument("--stop_worker", type=int, help=argparse.SUPPRESS)  # stop_agreement's ranks, under torchrun
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: train.py's own arguments")
     args = parser.parse_args()
@@ -146,6 +178,9 @@ def main() -> None:
     print(f"machine: {machine()}")
     if args.stop_agreement:
         return stop_agreement(args.world_sizes, args.repeats, cores)
+    if args.tp:
+        print(f"train.py {' '.join(DEFAULTS + train_args)}, fsdp on {args.world_sizes[-1]} ranks")
+        return tensor_parallel(args.world_sizes[-1], args.tp, train_args, args.repeats, cores)
     print(f"train.py {' '.join(DEFAULTS + train_args)}")
     print(f"{'ranks':>5} {'threads':>7} {'tokens/s (median)':>18} {'min':>10} {'max':>10} {'per rank':>10} "
           f"{'efficiency':>10}")

@@ -28,6 +28,7 @@ class GPTConfig:
 # The sizes that --model names; vocab_size and seq_len come from the data and --seq_len.
 CONFIGS = {
     "tiny": dict(n_layer=2, n_head=2, n_embd=64),  # trains in seconds on 2 CPU cores
+    "mini": dict(n_layer=4, n_head=4, n_embd=128),  # 4 heads: tensor parallel up to 4 (gpt/bench.py --tp)
     "small": dict(n_layer=6, n_head=6, n_embd=384),  # nanoGPT's Shakespeare config
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # GPT-2 124M (with vocab 50304, seq_len 1024)
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # GPT-2 350M

@@ -1,7 +1,8 @@
 """gpt/train.py whose tensor parallel leaves the head untied from the embedding, as parallelize_module
 leaves it: the head's gradient never reaches the embedding. For the test that shows the tp proof can fail
-(tests/test_gpt.py); DTensor redistributes whatever a plan leaves out, so no collective can simply be
-dropped. Run as a script of the harness: main() is gpt/train.py's."""
+(tests/test_gpt.py); DTensor redistributes whatever a plan leaves out, so no collective of the plan can
+simply be dropped (gpt_tp_no_reduce.py drops the one FSDP makes for tp). Run as a script of the harness:
+main() is gpt/train.py's."""
 import sys
 from pathlib import Path
 

@@ -143,16 +143,20 @@ def test_tensor_parallel_in_half_precision_trains_what_one_process_does_in_it(pr
                                   f"tp 2 in {precision}")
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_the_tensor_parallel_proof_fails_with_the_head_untied(precision):
-    broken = train_script("gpt_tp_untied.py", 2, *ARGV, "--parallel", "fsdp", "--tp", "2", "--batch_size",
+@pytest.mark.parametrize(("mutant", "precision"), [("gpt_tp_untied.py", "fp32"), ("gpt_tp_untied.py", "bf16"),
+                                                   ("gpt_tp_no_reduce.py", "fp32")], ids=["untied", "untied-bf16",
+                                                                                          "no-reduce"])
+def test_the_tensor_parallel_proof_fails_with_the_head_untied_or_a_collective_left_out(mutant, precision):
+    """Two mutants of tp 2: the head untied from the embedding (as parallelize_module leaves it), and the
+    all-reduce of the norms' gradients over the tp ranks left out (each rank keeps its own tokens' part)."""
+    broken = train_script(mutant, 2, *ARGV, "--parallel", "fsdp", "--tp", "2", "--batch_size",
                           str(TP_SPLIT[0]), "--grad_accum", str(TP_SPLIT[1]), "--precision", precision)
     with pytest.raises(AssertionError):
         if precision == "fp32":
-            assert_same_training(one_process(), broken, "tp with the head untied")
+            assert_same_training(one_process(), broken, f"tp with {mutant}")
         else:
             assert_same_in_half_precision(run_split("fsdp", *SPLITS[0], "--precision", precision), broken,
-                                          f"tp in {precision} with the head untied")
+                                          f"tp in {precision} with {mutant}")
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
@@ -507,6 +511,19 @@ def test_evaluation_counts_each_window_once_when_a_rank_has_none_left():
     with torch.no_grad():
         expected = torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).item()
     assert records[-1]["val_loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_bench_prints_a_tp_degree_beside_what_a_rank_holds_and_sends():
+    """--tp 2 at 2 ranks: its tokens/s, and the bytes of the mini model's state that each rank holds, which are
+    the formula's (tests/test_gpt_simulate.py's plan: params, gradients, twice the params for Adam)."""
+    from test_gpt_simulate import plan
+    result = run([sys.executable, str(REPO / "gpt" / "bench.py"), "--world_sizes", "2", "--tp", "2", "--repeats",
+                  "1", "--", "--max_steps", "8", "--log_every", "2", "--batch_size", "2"], timeout=180)
+    assert result.returncode == 0, result.stderr
+    rows = re.findall(r"^ +tp 2 +([\d,]+) +[\d,]+ +[\d,]+ +([\d.]+) MiB +([\d.]+) MiB$", result.stdout, re.MULTILINE)
+    assert len(rows) == 1, result.stdout
+    params, _ = plan(GPTConfig(vocab_size=64, seq_len=64, **CONFIGS["mini"]), 4, {"shard": 1, "tp": 2})
+    assert float(rows[0][1]) == round(4 * params / 2**20, 2) and float(rows[0][2]) > 0
 
 
 def test_bench_compares_a_resumed_run_with_a_fresh_one():
