@@ -45,8 +45,10 @@ def run(world_size: int, train_args: list[str], threads: int, out_dir: str | Non
                    str(world_size), os.path.join(HERE, "train.py"), *DEFAULTS, *train_args, "--out_dir", out_dir]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         result = subprocess.run(command, env=env, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise SystemExit(f"error: {world_size} ranks failed:\n{result.stderr[-2000:]}")
+        if result.returncode != 0:  # train.py's own line if it said one, else the end of the traceback
+            said = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+            raise SystemExit(f"error: {world_size} ranks failed: {said[0][7:]}" if said else
+                             f"error: {world_size} ranks failed:\n{result.stderr[-2000:]}")
         with open(os.path.join(out_dir, "metrics.jsonl")) as file:
             records = [json.loads(line) for line in file]
     figures = [r["tokens_per_s"] for r in records if "tokens_per_s" in r and r["step"] > after][1:]
@@ -111,10 +113,16 @@ def tensor_parallel(world_size: int, degrees: list[int], train_args: list[str], 
     """fsdp with each tp degree at one world size, on one global batch (--batch_size × tp per tp group): the
     tokens/s, and beside them what rank 0 holds and sends a step, as simulate.py counts them."""
     train_parser = argparse.ArgumentParser(add_help=False)  # train.py's defaults; the last one given wins
-    for name, default in (("--batch_size", 8), ("--seq_len", 64), ("--vocab_size", 64)):
+    for name, default in (("--batch_size", 8), ("--seq_len", 64), ("--vocab_size", None)):
         train_parser.add_argument(name, type=int, default=default)
-    train_parser.add_argument("--model", default="mini")  # 4 heads: tp up to 4
+    for name, default in (("--model", "mini"), ("--precision", "fp32"), ("--data", "synthetic")):  # mini: 4 heads
+        train_parser.add_argument(name, default=default)
     known = train_parser.parse_known_args(train_args)[0]
+    if known.vocab_size is None and known.data != "synthetic":
+        raise SystemExit("error: --tp with --data: give train.py's --vocab_size too, for the bytes a rank holds")
+    bad = [tp for tp in degrees if tp < 1 or world_size % tp]
+    if bad:
+        raise SystemExit(f"error: --tp {bad[0]} does not divide the {world_size} ranks")
     threads = 1 if torch.cuda.is_available() else max(1, cores // world_size)
     print(f"{'layout':>18} {'tokens/s (median)':>18} {'min':>10} {'max':>10} {'held per rank':>14} "
           f"{'sent per step':>14}")
@@ -123,7 +131,8 @@ def tensor_parallel(world_size: int, degrees: list[int], train_args: list[str], 
                   str(known.batch_size * tp)]
         runs = [statistics.median(run(world_size, [*train_args, *layout], threads)) for _ in range(repeats)]
         command = [sys.executable, os.path.join(HERE, "simulate.py"), "--ranks", str(world_size), *layout,
-                   "--seq_len", str(known.seq_len), "--vocab_size", str(known.vocab_size), "--json"]
+                   "--seq_len", str(known.seq_len), "--vocab_size", str(known.vocab_size or 64), "--precision",
+                   known.precision, "--json"]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise SystemExit(f"error: simulate.py at tp {tp}: {result.stderr.strip().splitlines()[-1]}")
@@ -179,7 +188,8 @@ def main() -> None:
     if args.stop_agreement:
         return stop_agreement(args.world_sizes, args.repeats, cores)
     if args.tp:
-        print(f"train.py {' '.join(DEFAULTS + train_args)}, fsdp on {args.world_sizes[-1]} ranks")
+        print(f"train.py {' '.join(DEFAULTS + train_args)} on {args.world_sizes[-1]} ranks: --model mini unless "
+              "given, --parallel fsdp --tp T, T × --batch_size per tp group (one global batch)")
         return tensor_parallel(args.world_sizes[-1], args.tp, train_args, args.repeats, cores)
     print(f"train.py {' '.join(DEFAULTS + train_args)}")
     print(f"{'ranks':>5} {'threads':>7} {'tokens/s (median)':>18} {'min':>10} {'max':>10} {'per rank':>10} "

@@ -66,7 +66,7 @@ def plot_layouts(files: list[str], path: str):
         axes.set_title(title)
         axes.set_ylabel("GiB")
         axes.tick_params(axis="x", labelrotation=20)
-        axes.legend()
+        axes.legend(fontsize="small")
     figure.savefig(path, dpi=120, bbox_inches="tight")
     return figure
 
@@ -82,6 +82,14 @@ def main() -> None:
     except ImportError:
         parser.error("plot.py needs matplotlib: pip install -r requirements-plot.txt")
     if args.layouts:
+        if args.out_dirs:
+            parser.error("give the runs' --out_dir folders or --layouts, not both")
+        for file in args.layouts:
+            try:
+                with open(file) as f:
+                    json.load(f)[0]["held"]
+            except (OSError, ValueError, LookupError, TypeError):
+                parser.error(f"{file}: not the --json output of gpt/simulate.py")
         plot_layouts(args.layouts, args.out)
         print(f"wrote {args.out}")
         return

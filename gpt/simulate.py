@@ -10,8 +10,8 @@ backward under the tp loss, clipping, AdamW) on --batch_size sequences per data-
 Collectives records every collective: which, on which dimension of the mesh, of how many bytes. Simulated,
 the process group is torch's fake one (each collective returns at once, its result garbage) and the step
 runs under FakeTensorMode (activations, gradients and optimizer state have shapes but no memory, nor any
-arithmetic), so one rank of a 6.7B model among 1,024 takes seconds on a laptop; each rank's own shards of
-the parameters are real, and small. Shapes, not values, decide what is sent, so the two count the same.
+arithmetic), so one rank of a 6.7B model among 1,024 takes half a minute on 2 cores; each rank's own shards
+of the parameters are real, and small. Shapes, not values, decide what is sent, so the two count the same.
 """
 import argparse
 import contextlib
@@ -107,8 +107,8 @@ def one_step(args: argparse.Namespace, world_size: int, device: torch.device, fa
         optimizer.step()
         bytes_held = held(model, optimizer)
     sent = {dim: dict(kinds) for dim, kinds in counted.sent.items()}
-    wire = {dim: round(sum(total * WIRE[kind](counted.sizes[dim]) for kind, (_, total) in kinds.items()))
-            for dim, kinds in sent.items()}  # what this rank sends on each dimension, in a ring
+    wire = {dim: round(sum(total * WIRE[kind](counted.sizes.get(dim, world_size))  # what it sends, in a ring
+                           for kind, (_, total) in kinds.items())) for dim, kinds in sent.items()}
     return {"mesh": dict(counted.sizes), "held": bytes_held, "sent": sent, "wire": wire}
 
 
@@ -116,7 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=SIZES, default="gpt2", help="gpt/model.py's CONFIGS, and larger ones")
     p.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp"], default="fsdp", help="as train.py's")
-    p.add_argument("--shard_size", type=int, help="hsdp: ranks per shard group (default: 8 / --tp)")
+    p.add_argument("--shard_size", type=int, help="hsdp: data-parallel ranks per shard group (default: a node's "
+                                                    "ranks / --tp,\n8 GPUs a node when simulated)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel ranks, innermost, as train.py's")
     p.add_argument("--batch_size", type=int, default=1, help="sequences per data-parallel rank")
     p.add_argument("--seq_len", type=int, default=1024, help="tokens per sequence")
@@ -126,9 +127,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--every_rank", action="store_true", help="simulate each rank in turn, not only rank 0")
     p.add_argument("--json", action="store_true", help="one JSON list of the ranks' figures, for tests")
     args = p.parse_args(argv)
+    for name in ("shard_size", "tp", "batch_size", "seq_len", "vocab_size", "ranks"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1")
     args.compile, args.seed = False, 0  # what parallelize.py reads of train.py's other flags
-    if args.shard_size is None and args.parallel == "hsdp":
-        args.shard_size = max(1, 8 // args.tp)  # a node of 8 GPUs
+    if args.shard_size is not None and args.parallel != "hsdp":
+        p.error("--shard_size is for --parallel hsdp")
+    if args.tp > 1 and args.parallel == "ddp":
+        p.error(f"--tp {args.tp} needs --parallel fsdp or hsdp, as in train.py")
+    if args.ranks and args.shard_size is None and args.parallel == "hsdp":
+        args.shard_size = max(1, min(8, args.ranks) // args.tp)  # a node of 8 GPUs (under torchrun: the real node's)
     if (args.ranks is None) == ("RANK" not in os.environ):
         p.error("give --ranks to simulate, or start under torchrun to count a real run, not both")
     if args.ranks and args.parallel == "ddp":  # and DDP's reducer fails on the fake group's results
@@ -146,7 +154,8 @@ def size(n: float) -> str:
 
 def report(args: argparse.Namespace, world_size: int, figures: dict, simulated: bool) -> str:
     mesh = " × ".join(f"{name} {n}" for name, n in figures["mesh"].items())
-    lines = [f"{args.model} | {args.parallel} on {world_size:,} ranks ({mesh}) | {args.precision} | "
+    lines = [f"{args.model} | {args.parallel} on {world_size:,} rank{'s' if world_size > 1 else ''} ({mesh}) | "
+             f"{args.precision} | "
              f"{args.batch_size} × {args.seq_len} tokens per data-parallel rank | "
              f"{'simulated' if simulated else 'counted in a real run'}",
              "held by rank 0: " + " | ".join(f"{k} {size(v)}" for k, v in figures["held"].items()),
@@ -154,7 +163,7 @@ def report(args: argparse.Namespace, world_size: int, figures: dict, simulated: 
     for dim, kinds in figures["sent"].items():
         for kind, (count, total) in kinds.items():
             lines.append(f"  {dim + ' ' + kind:<24}{count:>6}{size(total):>15}"
-                         f"{size(total * WIRE[kind](figures['mesh'][dim])):>17}")
+                         f"{size(total * WIRE[kind](figures['mesh'].get(dim, world_size))):>17}")
     return "\n".join(lines)
 
 
@@ -165,15 +174,19 @@ def main() -> None:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         torch.set_num_threads(1)
         figures = [None] * world_size
-        dist.all_gather_object(figures, one_step(args, world_size, torch.device("cpu"), fake=False))
-        dist.destroy_process_group()
+        try:
+            dist.all_gather_object(figures, one_step(args, world_size, torch.device("cpu"), fake=False))
+        except ValueError as error:  # a layout the ranks or the model cannot take, found alike by every rank
+            sys.exit(f"error: {error}" if rank == 0 else 1)
+        finally:
+            dist.destroy_process_group()
         if rank == 0:
             print(json.dumps(figures) if args.json else report(args, world_size, figures[0], False))
         return
     ranks = range(args.ranks if args.every_rank else 1)
     # Each rank in a process of its own, forked: the fake process group (and DeviceMesh's groups) once per process.
     with multiprocessing.get_context("fork").Pool(min(len(ranks), os.cpu_count() or 1), maxtasksperchild=1) as pool:
-        figures = pool.map(functools.partial(simulate, args), ranks)
+        figures = pool.map(functools.partial(simulate, args), ranks, chunksize=1)  # one rank a process
     if isinstance(figures[0], str):  # a layout the ranks or the model cannot take, said as train.py says it
         sys.exit(f"error: {figures[0]}")
     print(json.dumps(figures) if args.json else report(args, args.ranks, figures[0], True))

@@ -77,7 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp"], default="ddp",
                    help="ddp: a replica per rank; fsdp: every block sharded over all ranks;\n"
                         "hsdp: sharded within groups of --shard_size ranks, replicated across them")
-    p.add_argument("--shard_size", type=int, help="hsdp: ranks per shard group (default: a node's ranks / --tp)")
+    p.add_argument("--shard_size", type=int, help="hsdp: data-parallel ranks per shard group, a tp group counting "
+                                                    "once\n(default: a node's ranks / --tp)")
     p.add_argument("--tp", type=int, default=1, help="fsdp, hsdp: tensor parallel over groups of this many "
                                                       "neighbouring ranks,\nwhich read the same batch (1: none)")
     p.add_argument("--max_steps", type=int, default=300, help="optimizer steps in the whole run")
@@ -134,7 +135,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.tp < 1:
         p.error("--tp must be at least 1")
     if args.tp > 1 and args.parallel == "ddp":  # DDP takes no DTensor parameters: parallelize.tensor_parallel
-        p.error(f"--tp {args.tp} needs --parallel fsdp or hsdp (--tp alone: fsdp over as many ranks)")
+        p.error(f"--tp {args.tp} needs --parallel fsdp or hsdp: DDP takes no tensor-parallel parameters (tp alone: "
+                f"--parallel fsdp --tp N on N ranks)")
     return args
 
 
@@ -502,11 +504,16 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
     peak = peak_flops(args, device)
     metrics = None
     if rank == 0:
-        shape = " × ".join(map(str, mesh.shape)) if mesh is not None and mesh.ndim > 1 else ""
+        shape = " × ".join(f"{name} {n}" for name, n in zip(mesh.mesh_dim_names, mesh.shape, strict=True)) \
+            if mesh is not None and mesh.ndim > 1 else ""
         print(f"gpt {args.model} ({gpt.num_params() / 1e6:.2f}M parameters) | {args.parallel} on {world_size} "
-              f"rank{'s' if world_size > 1 else ''}{f' ({shape} mesh)' if shape else ''}, {device.type} | "
+              f"rank{'s' if world_size > 1 else ''}{f' ({shape})' if shape else ''}, {device.type} | "
               f"data {tokens.name} (vocab {tokens.vocab_size}) | global batch {global_batch} × {args.seq_len} tokens",
               flush=True)
+        node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        if node % args.tp:  # tp innermost: its groups stay in a node only if they tile it
+            print(f"--tp {args.tp}: its groups span nodes of {node} ranks, and tp's collectives (12 a block a step) "
+                  "cross them", flush=True)
         for line in [no_lock] if no_lock else []:
             print(line, flush=True)
         if device.type == "cuda" and peak is None:

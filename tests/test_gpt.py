@@ -109,13 +109,13 @@ def test_tensor_parallel_trains_what_one_process_trains():
     each with --grad_accum: the losses, gradient norms and exported weights of one process on the same 12
     sequences a step."""
     tp_alone = run_split("fsdp", 2, *TP_SPLIT, "--tp", "2")
-    assert "fsdp on 2 ranks (1 × 2 mesh)" in tp_alone[2]
+    assert "fsdp on 2 ranks (shard 1 × tp 2)" in tp_alone[2]
     assert_same_training(one_process(), tp_alone, "tp 2")
     both = run_split("fsdp", 4, 3, 2, "--tp", "2")
-    assert "fsdp on 4 ranks (2 × 2 mesh)" in both[2]
+    assert "fsdp on 4 ranks (shard 2 × tp 2)" in both[2]
     assert_same_training(one_process(), both, "fsdp 2 × tp 2")
     three = run_split("hsdp", 8, 3, 1, "--shard_size", "2", "--tp", "2")
-    assert "hsdp on 8 ranks (2 × 2 × 2 mesh)" in three[2]
+    assert "hsdp on 8 ranks (replicate 2 × shard 2 × tp 2)" in three[2]
     assert_same_training(one_process(), three, "hsdp 2 × 2 × tp 2")
 
 
