@@ -172,7 +172,7 @@ def test_sigterm_saves_the_step_in_flight_and_the_same_command_finishes_the_run(
     stops after the same step, saves it, and exits within torchrun's 30 s. The same command resumes from
     that step, not an older one, and ends with the weights of a run that nothing stopped."""
     # tp's steps are slower (4 collectives a block and pass): fewer, still far more than a stop takes to agree
-    layout, steps = (["--parallel", "fsdp", "--tp", "2", "--batch_size", "12", "--grad_accum", "1"], 40) if "tp" in to \
+    layout, steps = (["--parallel", "fsdp", "--tp", "2", "--batch_size", "12", "--grad_accum", "1"], 30) if "tp" in to \
         else (split(2), 400)
     argv = [*ARGV, *layout, "--max_steps", str(steps), "--save_every", "1000"]
     command = [TORCHRUN, "--standalone", "--nproc-per-node", "2", TRAIN, *argv, "--out_dir", str(tmp_path / "out"),
