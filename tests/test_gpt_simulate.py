@@ -119,3 +119,24 @@ def test_a_layout_that_cannot_be_built_is_one_line(argv, error):
     assert result.returncode != 0 and error in result.stderr, result.stderr
     said = [line for line in result.stderr.splitlines() if not line.startswith(("usage:", " "))]
     assert len(said) == 1 and "Traceback" not in result.stderr, result.stderr
+
+
+def test_plot_draws_each_layouts_bytes_from_simulate_json(tmp_path):
+    """gpt/plot.py --layouts: one bar per file, named for it, stacked to the bytes the file says a rank holds."""
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(REPO / "gpt"))
+    try:
+        from plot import plot_layouts
+    finally:
+        sys.path.remove(str(REPO / "gpt"))
+    files = []
+    for name, (ranks, argv) in LAYOUTS.items():
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(json.dumps(simulated(ranks, *TINY, *argv, *(["--every_rank"] if ranks == 8 else []))))
+    figure = plot_layouts([str(f) for f in files], str(tmp_path / "layouts.png"))
+    held = figure.axes[0]
+    assert [t.get_text() for t in held.get_xticklabels()] == list(LAYOUTS)
+    tops = [max(bar.get_y() + bar.get_height() for bar in held.patches if bar.get_x() <= i < bar.get_x() + 1)
+            for i in range(len(LAYOUTS))]
+    for top, file in zip(tops, files, strict=True):
+        assert math.isclose(top, sum(json.loads(file.read_text())[0]["held"].values()) / 2**30, rel_tol=1e-9)
