@@ -15,7 +15,6 @@ of the parameters are real, and small. Shapes, not values, decide what is sent, 
 """
 import argparse
 import contextlib
-import functools
 import json
 import multiprocessing
 import os
@@ -183,13 +182,28 @@ def main() -> None:
         if rank == 0:
             print(json.dumps(figures) if args.json else report(args, world_size, figures[0], False))
         return
-    ranks = range(args.ranks if args.every_rank else 1)
-    # Each rank in a process of its own, forked: the fake process group (and DeviceMesh's groups) once per process.
-    with multiprocessing.get_context("fork").Pool(min(len(ranks), os.cpu_count() or 1), maxtasksperchild=1) as pool:
-        figures = pool.map(functools.partial(simulate, args), ranks, chunksize=1)  # one rank a process
-    if isinstance(figures[0], str):  # a layout the ranks or the model cannot take, said as train.py says it
-        sys.exit(f"error: {figures[0]}")
+    figures = [in_a_child(args, rank) for rank in range(args.ranks if args.every_rank else 1)]
+    said = [figure for figure in figures if isinstance(figure, str)]
+    if said:  # a layout the ranks or the model cannot take, said as train.py says it, or a child that died
+        sys.exit(f"error: {said[0]}")
     print(json.dumps(figures) if args.json else report(args, args.ranks, figures[0], True))
+
+
+def in_a_child(args: argparse.Namespace, rank: int) -> dict | str:
+    """simulate() in a forked process of its own, one rank at a time: the fake process group (and DeviceMesh's
+    groups) once per process. A child that dies (the out-of-memory killer: a rank's shards are real) is said in
+    one line, where a process pool would wait for it forever."""
+    receive, send = multiprocessing.Pipe(duplex=False)
+    child = multiprocessing.get_context("fork").Process(target=lambda: send.send(simulate(args, rank)))
+    child.start()
+    send.close()  # this end is the child's: its death closes the pipe
+    try:
+        return receive.recv()
+    except EOFError:
+        child.join()
+        return f"rank {rank}'s simulation died (exit code {child.exitcode}; out of memory?)"
+    finally:
+        child.join()
 
 
 def simulate(args: argparse.Namespace, rank: int) -> dict | str:
