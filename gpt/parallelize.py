@@ -11,12 +11,15 @@ import contextlib
 import os
 
 import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor import parallel as tp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import pipeline
 from model import GPT, GPTConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -25,12 +28,17 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def check_layout(args: argparse.Namespace, config: GPTConfig, world_size: int) -> None:
     """A layout that the ranks or the model cannot take, refused before anything is written (a ValueError,
     one line): --tp must divide the ranks, and the heads (so the width), the vocabulary and the sequence,
-    which tensor_parallel() splits; hsdp's --shard_size must divide the data-parallel ranks."""
+    which tensor_parallel() splits; hsdp's --shard_size must divide the data-parallel ranks; --pp × --tp must
+    divide the ranks, and the pipeline suit the model and the schedule (pipeline.check)."""
     if world_size % args.tp:
         raise ValueError(f"--tp {args.tp} does not divide the {world_size} ranks")
-    if args.parallel == "hsdp" and (world_size // args.tp) % shard_size(args, world_size):
-        raise ValueError(f"--shard_size {shard_size(args, world_size)} does not divide the {world_size // args.tp} "
-                         "data-parallel ranks")
+    if world_size % (args.pp * args.tp):
+        raise ValueError(f"--pp {args.pp} × --tp {args.tp} does not divide the {world_size} ranks")
+    dp = world_size // (args.pp * args.tp)
+    if args.parallel == "hsdp" and dp % shard_size(args, world_size):
+        raise ValueError(f"--shard_size {shard_size(args, world_size)} does not divide the {dp} data-parallel ranks")
+    if args.pp > 1:
+        pipeline.check(args, config)
     for what in ("n_head", "n_embd", "vocab_size", "seq_len"):
         if getattr(config, what) % args.tp:
             raise ValueError(f"--tp {args.tp} does not divide the model's {what}, {getattr(config, what)}")
@@ -44,23 +52,28 @@ def shard_size(args: argparse.Namespace, world_size: int) -> int:
 def make_mesh(args: argparse.Namespace, world_size: int, device: torch.device) -> DeviceMesh | None:
     """The ranks as a mesh (check_layout() said it fits): fsdp, one dimension ("shard"); hsdp, ("replicate",
     "shard"), the shard groups of shard_size() neighbouring ranks; --tp adds "tp" innermost, so that a tp
-    group is neighbouring ranks (one node on a cluster, where its many collectives are fastest). ddp: none."""
+    group is neighbouring ranks (one node on a cluster, where its many collectives are fastest); --pp adds "pp"
+    outermost, a pipeline's stages the farthest apart (their sends are few and point to point). ddp: none."""
     if args.parallel == "ddp":
         return None
-    dp = world_size // args.tp  # the data-parallel ranks: one per tp group
+    dp = world_size // (args.pp * args.tp)  # the data-parallel ranks: one per pipeline and tp group
     shape, names = (dp,), ("shard",)
     if args.parallel == "hsdp":
         shape, names = (dp // shard_size(args, world_size), shard_size(args, world_size)), ("replicate", "shard")
     if args.tp > 1:
         shape, names = (*shape, args.tp), (*names, "tp")
+    if args.pp > 1:
+        shape, names = (args.pp, *shape), ("pp", *names)
     return init_device_mesh(device.type, shape, mesh_dim_names=names)
 
 
 def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespace, device: torch.device,
-                    init: bool = True) -> torch.nn.Module:
+                    init: bool = True) -> torch.nn.Module | pipeline.Pipeline:
     """The model, built on `meta` (no memory), laid out on `mesh` for --parallel and given its starting
     weights: GPT.init_weights(--seed)'s in every layout, each rank drawing the whole values and keeping
-    its shard (init=False: left as allocated, for simulate.py, which only counts)."""
+    its shard (init=False: left as allocated, for simulate.py, which only counts). Under --pp, this rank's
+    stages, each laid out so, in a pipeline.Pipeline."""
+    order = [(name, param.shape) for name, param in model.named_parameters()]  # the draws of GPT.init_weights
     if args.compile:
         compile_model(model)
     if mesh is None:
@@ -71,26 +84,41 @@ def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespac
         model.init_weights(args.seed)
         # DDP broadcasts rank 0's weights at construction; every rank drew the same ones anyway.
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if "tp" in mesh.mesh_dim_names:
-        tensor_parallel(model, mesh["tp"])
-        mesh = mesh[mesh.mesh_dim_names[:-1]]  # FSDP shards each tp shard again, over the data-parallel ranks
+    parts, ids = pipeline.stages(model, mesh, args) if "pp" in mesh.mesh_dim_names else ([model], [])
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[args.precision], reduce_dtype=torch.float32)  # grads in fp32
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)  # one all-gather per block, freed after use
-    fully_shard(model, mesh=mesh, mp_policy=policy)  # the rest: embeddings, final norm, tied head
-    model.to_empty(device=device)
-    if not init:
-        return model
-    generator = torch.Generator().manual_seed(args.seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():  # each full value drawn as GPT.init_weights does
-            full = model.init_value(name, param.shape, generator).to(device)
-            param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements,
-                                                     src_data_rank=None).to_local())  # keep this rank's shard
+    dp_mesh = mesh[tuple(name for name in mesh.mesh_dim_names if name not in ("pp", "tp"))]
+    for part in parts:
+        if "tp" in mesh.mesh_dim_names:
+            tensor_parallel(part, mesh["tp"])  # FSDP then shards each tp shard again, over the data-parallel ranks
+        # One all-gather per block, freed after use; under the schedules that split each backward in two (torch
+        # 2.13), the last stage's blocks so sharded lose their weights' gradients (None, measured): one per stage.
+        for block in blocks(part) if args.pp_schedule not in pipeline.SPLIT_BACKWARD or args.pp == 1 else []:
+            fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+        fully_shard(part, mesh=dp_mesh, mp_policy=policy)  # the rest: embeddings, final norm, tied head
+        part.to_empty(device=device)
+    if init:
+        generator = torch.Generator().manual_seed(args.seed)
+        held = {}  # name: this rank's parameters of that name; a last stage's lm_head.weight is drawn as wte.weight
+        for part in parts:
+            for name, param in part.named_parameters():
+                held.setdefault("wte.weight" if name == "lm_head.weight" else name, []).append(param)
+        with torch.no_grad():
+            for name, shape in order:  # each full value drawn as GPT.init_weights does
+                full = model.init_value(name, shape, generator).to(device)
+                for param in held.get(name, []):  # keep this rank's shard
+                    param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements,
+                                                             src_data_rank=None).to_local())
+    if ids:
+        return pipeline.Pipeline(parts, ids, mesh, args, device, DTYPES[args.precision], lambda: loss_context(mesh))
     return model
 
 
-def tensor_parallel(model: GPT, mesh: DeviceMesh) -> None:
+def blocks(part: nn.Module) -> list[nn.Module]:
+    """The blocks of a GPT or of a pipeline.Stage."""
+    return list(part.blocks.values() if isinstance(part.blocks, nn.ModuleDict) else part.blocks)
+
+
+def tensor_parallel(model: GPT | pipeline.Stage, mesh: DeviceMesh) -> None:
     """Megatron's split of every matrix over the tp ranks, with sequence parallel: q, k, v and fc by
     columns (each rank some heads, some hidden units), o and proj by rows, their outputs reduce-scattered
     along the sequence; the norms and the residual stream hold 1/tp of the sequence, all-gathered before
@@ -104,13 +132,16 @@ def tensor_parallel(model: GPT, mesh: DeviceMesh) -> None:
             "attn.q": tp.ColwiseParallel(), "attn.k": tp.ColwiseParallel(), "attn.v": tp.ColwiseParallel(),
             "attn.o": tp.RowwiseParallel(output_layouts=Shard(1)), "mlp.fc": tp.ColwiseParallel(),
             "mlp.proj": tp.RowwiseParallel(output_layouts=Shard(1))}
-    for block in model.blocks:
+    for block in blocks(model):
         tp.parallelize_module(block, mesh, plan)
-    tp.parallelize_module(model, mesh, {
+    tp.parallelize_module(model, mesh, {name: style for name, style in {
         "wte": tp.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),  # (batch, seq / tp, n_embd)
         "wpe": tp.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),  # (seq / tp, n_embd)
         "ln_f": tp.SequenceParallel(),
-        "lm_head": tp.ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)})
+        "lm_head": tp.ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }.items() if hasattr(model, name)})  # a pipeline's stage: what it holds
+    if not isinstance(model, GPT):  # a stage: its head's logits go to pipeline.Loss, under loss_parallel
+        return
     model.lm_head.weight = model.wte.weight  # parallelize_module made the tied matrix two: one again
     head_loss = model.head_loss
 
@@ -123,9 +154,44 @@ def tensor_parallel(model: GPT, mesh: DeviceMesh) -> None:
 
 def data_rank(mesh: DeviceMesh | None, rank: int, world_size: int) -> tuple[int, int]:
     """(which share of each batch this rank reads, how many shares): the ranks of one tp group, neighbours
-    (tp innermost), read the same."""
-    tp_size = mesh["tp"].size() if mesh is not None and "tp" in mesh.mesh_dim_names else 1
-    return rank // tp_size, world_size // tp_size
+    (tp innermost), read the same, and so do a pipeline's stages (pp outermost)."""
+    names = mesh.mesh_dim_names if mesh is not None else ()
+    tp_size, pp_size = (mesh[name].size() if name in names else 1 for name in ("tp", "pp"))
+    shares = world_size // (tp_size * pp_size)
+    return rank // tp_size % shares, shares
+
+
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # the optimizer's state by parameter name: parts merge
+
+
+def state_dict(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
+    """The checkpoint's state of this rank's parts (one model, or a pipeline's stages) and their optimizers,
+    under the unstaged model's names: a last stage's head is lm_head.weight, and its optimizer state, as in one
+    process (where the tied matrix is listed once), wte.weight's."""
+    state = {"model": {}, "optim": {}}
+    for part, optimizer in zip(parts, optimizers, strict=True):
+        model_state, optim_state = get_state_dict(part, optimizer, options=FLAT)
+        state["model"].update(model_state)
+        state["optim"].update({head_as_wte(name, part): value for name, value in optim_state.items()})
+    return state
+
+
+def head_as_wte(name: str, part: nn.Module, back: bool = False) -> str:
+    """A last stage's optimizer-state name of lm_head.weight as wte.weight's (back: the other way)."""
+    if isinstance(part, GPT) or not hasattr(part, "lm_head"):
+        return name
+    old, new = ("wte.weight.", "lm_head.weight.") if back else ("lm_head.weight.", "wte.weight.")
+    kind, _, rest = name.partition(".")  # state.<name>.<key> or param_groups.<name>.<key>
+    return f"{kind}.{new}{rest[len(old):]}" if rest.startswith(old) else name
+
+
+def load_state_dict(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], state: dict) -> None:
+    """state_dict()'s state, loaded (by dcp.load) into the tensors it gave, set into the parts and optimizers."""
+    for part, optimizer in zip(parts, optimizers, strict=True):
+        own = set(get_state_dict(part, optimizer, options=FLAT)[0])
+        optim_state = {head_as_wte(name, part, back=True): value for name, value in state["optim"].items()}
+        set_state_dict(part, optimizer, model_state_dict={k: v for k, v in state["model"].items() if k in own},
+                       optim_state_dict=optim_state, options=FLAT)
 
 
 def loss_context(mesh: DeviceMesh | None):

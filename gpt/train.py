@@ -1,4 +1,4 @@
-"""Train a GPT on a token stream with DDP, FSDP2, HSDP or FSDP2 × tensor parallel: the job to copy.
+"""Train a GPT on a token stream with DDP, FSDP2, HSDP, tensor and pipeline parallel: the job to copy.
 
     torchrun --standalone --nproc-per-node 2 gpt/train.py --model tiny        # 2 CPU cores, ~10 s
     torchrun --standalone --nproc-per-node 8 gpt/train.py --model gpt2 --data DIR --seq_len 1024 \\
@@ -30,26 +30,23 @@ import time
 from dataclasses import asdict
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
 import parallelize
+import pipeline
 from checkpoint import Checkpoints
 from model import CONFIGS, GPT, GPTConfig, export
 from parallelize import DTYPES
 
 # What a checkpoint records of the run that wrote it; a resume with other values says so in one line.
 RUN = ("data", "max_steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "seed", "batch_size",
-       "grad_accum", "parallel", "tp", "precision")
+       "grad_accum", "parallel", "tp", "pp", "pp_schedule", "precision")
 GC_EVERY = 100  # steps between garbage collections, on every rank at once
 # Dense bf16 tensor-core peak per GPU in TFLOP/s (NVIDIA's datasheets give twice these, with sparsity); TF32 is
 # half of it. The first key found in the device's name wins: a variant before its family's name.
@@ -81,6 +78,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                     "once\n(default: a node's ranks / --tp)")
     p.add_argument("--tp", type=int, default=1, help="fsdp, hsdp: tensor parallel over groups of this many "
                                                       "neighbouring ranks,\nwhich read the same batch (1: none)")
+    p.add_argument("--pp", type=int, default=1, help="fsdp, hsdp: pipeline parallel over this many stages (ranks "
+                                                      "far apart), which read the same\nbatch in --grad_accum "
+                                                      "micro-batches (1: none)")
+    p.add_argument("--pp_schedule", choices=pipeline.SCHEDULES, default="1F1B",
+                   help="--pp's schedule, torch.distributed.pipelining's; Interleaved1F1B, LoopedBFS,\n"
+                        "InterleavedZeroBubble, ZBVZeroBubble and DualPipeV hold two stages per rank")
     p.add_argument("--max_steps", type=int, default=300, help="optimizer steps in the whole run")
     p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per micro-step")
     p.add_argument("--grad_accum", type=int, default=1, help="micro-steps per optimizer step")
@@ -132,8 +135,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--vocab_size is for files; the synthetic data has {data.SYNTHETIC_VOCAB} tokens")
     if args.shard_size is not None and (args.parallel != "hsdp" or args.shard_size < 1):
         p.error("--shard_size is for --parallel hsdp, and must be at least 1")
-    if args.tp < 1:
-        p.error("--tp must be at least 1")
+    if args.tp < 1 or args.pp < 1:
+        p.error("--tp and --pp must be at least 1")
+    if args.pp > 1 and args.parallel == "ddp":
+        p.error(f"--pp {args.pp} needs --parallel fsdp or hsdp (pp alone: --parallel fsdp --pp N on N ranks)")
+    if args.pp > 1 and args.precision == "fp16":  # the schedule runs each backward: no GradScaler can scale it
+        p.error(f"--pp {args.pp} runs in fp32 or bf16: fp16's loss scaling is not in torch's pipeline schedules")
     if args.tp > 1 and args.parallel == "ddp":  # DDP takes no DTensor parameters: parallelize.tensor_parallel
         p.error(f"--tp {args.tp} needs --parallel fsdp or hsdp: DDP takes no tensor-parallel parameters (tp alone: "
                 f"--parallel fsdp --tp N on N ranks)")
@@ -203,30 +210,44 @@ def make_optimizer(model: torch.nn.Module, args: argparse.Namespace, device: tor
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
 
-def weights_are_finite(model: torch.nn.Module) -> bool:
+def weights_are_finite(parameters) -> bool:
     """Whether every rank's weights (its shards, under FSDP) are finite: one all-reduce. A finite loss
     and gradient can still step the weights to inf or nan (a huge lr or weight decay)."""
     flag = torch.stack([torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()
-                        for p in model.parameters()]).all().to(torch.int32)
+                        for p in parameters]).all().to(torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, tokens: data.Tokens, starts, args: argparse.Namespace, mesh, dp_rank: int,
-             dp_size: int, device: torch.device, autocast) -> float:
+def evaluate(model: torch.nn.Module | pipeline.Pipeline, tokens: data.Tokens, starts, args: argparse.Namespace, mesh,
+             dp_rank: int, dp_size: int, device: torch.device, autocast) -> float:
     """The mean loss per token over the whole validation set, each window counted once.
 
     Rank r takes windows r, r + N, ... (r and N: dp_rank and dp_size, data_rank()'s); each rank sums its token
     losses in float64, and one all-reduce adds the sums and the counts (a tp group's, once per rank: the
     mean is the same). Every rank runs the same number of forwards, one with
-    nothing to count where its share runs out first: under FSDP each forward all-gathers weights."""
+    nothing to count where its share runs out first: under FSDP each forward all-gathers weights. A pipeline
+    runs a step's micro-batches at once, each of the training's shape, padding's targets -100 (not counted):
+    the last stage counts."""
+    pipe = model if isinstance(model, pipeline.Pipeline) else None
     model.eval()
     mine = starts[dp_rank::dp_size]
-    batches = -(-len(starts[0::dp_size]) // args.batch_size)  # data rank 0 has the most windows
+    size = args.batch_size * (args.grad_accum if pipe else 1)
+    batches = -(-len(starts[0::dp_size]) // size)  # data rank 0 has the most windows
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of losses, tokens)
     for i in range(batches):
-        chunk = mine[i * args.batch_size:(i + 1) * args.batch_size]
+        chunk = mine[i * size:(i + 1) * size]
+        if pipe:
+            x, y = data.windows(tokens.val, np.concatenate([chunk, np.repeat(starts[:1], size - len(chunk))]),
+                                args.seq_len, device)
+            y = y.clone()  # not a view of x's rows
+            y[len(chunk):] = -100  # cross_entropy's ignore_index
+            total = pipe.evaluate(x, y)
+            if total is not None:
+                totals[0] += total
+                totals[1] += (y != -100).sum()
+            continue
         x, y = data.windows(tokens.val, chunk if len(chunk) else starts[:1], args.seq_len, device)
         with autocast, parallelize.loss_context(mesh):
             losses = model(x, y)  # (batch × seq), fp32
@@ -429,13 +450,14 @@ def open_metrics(out_dir: str, first_step: int):
     return open(path, "a", buffering=1)  # noqa: SIM115  (line-buffered: a crash loses no finished line)
 
 
-def resume(args: argparse.Namespace, checkpoints: Checkpoints, model: torch.nn.Module,
-           optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, config: GPTConfig, rank: int) -> int:
+def resume(args: argparse.Namespace, checkpoints: Checkpoints, parts: list[torch.nn.Module],
+           optimizers: list[torch.optim.Optimizer], scaler: torch.amp.GradScaler, config: GPTConfig, rank: int) -> int:
     """Load the newest whole checkpoint in OUT_DIR, if there is one; return the step to start from.
 
     Any world size or --parallel resumes (DCP reshards); another model config is refused. A changed
     schedule, --max_steps, seed or weight decay is the user's choice: said in one line, and applied (the
-    optimizer's settings are this run's, its moments the checkpoint's). The optimizer's state is
+    optimizer's settings are this run's, its moments the checkpoint's). `parts`: the model, or this rank's
+    pipeline stages, each with its optimizer. The optimizer's state is
     created where a fresh run creates it (get_state_dict takes one step of zero gradients at lr 0:
     moments beside the parameters, `step` on the CPU unless fused) and the saved values are copied in:
     never Adam's `step` moved to the GPU, where every later step would sync on it (pytorch#128208)."""
@@ -448,12 +470,12 @@ def resume(args: argparse.Namespace, checkpoints: Checkpoints, model: torch.nn.M
     if manifest.get("config") != asdict(config):
         raise ValueError(f"checkpoint {folder} is of another model ({manifest.get('config')}), not {asdict(config)}: "
                          "give another --out_dir, or the --model, --seq_len and data it was trained with")
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    state = parallelize.state_dict(parts, optimizers)
     checkpoints.load(folder, state)
-    own = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    for group, settings in zip(optimizer.param_groups, own, strict=True):
+    own = [{k: v for k, v in group.items() if k != "params"} for optimizer in optimizers
+           for group in optimizer.param_groups]
+    parallelize.load_state_dict(parts, optimizers, state)  # new param_groups: load_state_dict replaces them
+    for group, settings in zip([g for optimizer in optimizers for g in optimizer.param_groups], own, strict=True):
         # load_state_dict brings back the saved groups' settings too: a changed --weight_decay would be
         # said below and not applied, and a CPU checkpoint resumed on a GPU would run unfused
         group.update(settings)
@@ -463,7 +485,7 @@ def resume(args: argparse.Namespace, checkpoints: Checkpoints, model: torch.nn.M
         print(f"resuming from {folder}: step {manifest['step']} of {args.max_steps}", flush=True)
         world_size = dist.get_world_size()
         run = {**{f"--{name}": getattr(args, name) for name in RUN}, "ranks": world_size,
-               "global batch": args.batch_size * args.grad_accum * world_size // args.tp}
+               "global batch": args.batch_size * args.grad_accum * world_size // (args.tp * args.pp)}
         changed = [f"{name} {value} (was {manifest['run'].get(name)})" for name, value in run.items()
                    if manifest["run"].get(name) != value]
         if changed:
@@ -490,11 +512,14 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
     no_lock = checkpoints.lock()
     mesh = parallelize.make_mesh(args, world_size, device)
     with torch.device("meta"):  # no memory: parallelize_gpt gives each rank what it holds, and the weights
-        model = GPT(config)
-    model = parallelize.parallelize_gpt(model, mesh, args, device)
+        gpt = GPT(config)
+    n_params, flops_per_token = gpt.num_params(), gpt.flops_per_token()
+    model = parallelize.parallelize_gpt(gpt, mesh, args, device)
     dp_rank, dp_size = parallelize.data_rank(mesh, rank, world_size)  # a tp group's ranks read the same batch
-    gpt = model.module if isinstance(model, DDP) else model  # .module: DDP's wrapped model
-    optimizer = make_optimizer(model, args, device)
+    pipe = model if isinstance(model, pipeline.Pipeline) else None  # --pp: this rank's stages, and their schedule
+    parts = pipe.parts if pipe else [model]
+    optimizers = [make_optimizer(part, args, device) for part in parts]  # a stage's state: its module's and its own
+    optimizer = pipeline.Optimizers(optimizers) if pipe else optimizers[0]
     dtype = DTYPES[args.precision]
     # DDP computes in `dtype` under autocast; FSDP casts its weights through the policy instead.
     autocast = torch.autocast(device.type, dtype=dtype, enabled=args.parallel == "ddp" and dtype != torch.float32)
@@ -506,7 +531,7 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
     if rank == 0:
         shape = " × ".join(f"{name} {n}" for name, n in zip(mesh.mesh_dim_names, mesh.shape, strict=True)) \
             if mesh is not None and mesh.ndim > 1 else ""
-        print(f"gpt {args.model} ({gpt.num_params() / 1e6:.2f}M parameters) | {args.parallel} on {world_size} "
+        print(f"gpt {args.model} ({n_params / 1e6:.2f}M parameters) | {args.parallel} on {world_size} "
               f"rank{'s' if world_size > 1 else ''}{f' ({shape})' if shape else ''}, {device.type} | "
               f"data {tokens.name} (vocab {tokens.vocab_size}) | global batch {global_batch} × {args.seq_len} tokens",
               flush=True)
@@ -519,7 +544,7 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
         if device.type == "cuda" and peak is None:
             print(f"no mfu: the peak of {torch.cuda.get_device_name(device)} is not known; give --peak_tflops",
                   flush=True)
-    first_step = resume(args, checkpoints, model, optimizer, scaler, config, rank)
+    first_step = resume(args, checkpoints, parts, optimizers, scaler, config, rank)
     if rank == 0:
         metrics = open_metrics(args.out_dir, first_step)
     if isinstance(model, DDP) and first_step < args.max_steps:
@@ -536,8 +561,7 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
         extra = {"config": asdict(config), "run": {**{f"--{n}": getattr(args, n) for n in RUN}, "ranks": world_size,
                                                    "global batch": global_batch},
                  "scaler": scaler.state_dict() if scaler.is_enabled() else None}
-        model_state, optim_state = get_state_dict(model, optimizer)
-        checkpoints.save({"model": model_state, "optim": optim_state}, step, extra)
+        checkpoints.save(parallelize.state_dict(parts, optimizers), step, extra)
 
     def not_finite(what: str, step: int) -> None:
         checkpoints.wait()  # the save in flight is committed (or fails) first: `last` is the newest
@@ -574,7 +598,9 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
                 group["lr"] = lr
             starts = data.batch_starts(step, args.seed, len(tokens.train), args.seq_len, global_batch)
             mine = starts[dp_rank * args.batch_size * args.grad_accum:][:args.batch_size * args.grad_accum]
-            for micro in range(args.grad_accum):
+            if pipe:  # the schedule runs the micro-batches: loss_sum gains their mean on the last stage, 0 elsewhere
+                loss_sum += pipe.step(*data.windows(tokens.train, mine, args.seq_len, device))
+            for micro in range(args.grad_accum if not pipe else 0):
                 x, y = data.windows(tokens.train, mine[micro * args.batch_size:][:args.batch_size], args.seq_len,
                                     device)
                 with parallelize.loss_context(mesh):  # tp: the forward's and the backward's cross-entropy
@@ -585,7 +611,7 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
                     scaler.scale(loss).backward()
                 loss_sum += loss.detach()
             scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
-            grad_norm = parallelize.clip_gradients(model, args.grad_clip)
+            grad_norm = (pipe or parallelize).clip_gradients(*([] if pipe else [model]), args.grad_clip)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
@@ -596,13 +622,14 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
             saving = done or stopping or (args.save_every and (step + 1) % args.save_every == 0)
             if (step + 1) % args.log_every == 0 or done or saving:
                 dist.all_reduce(loss_sum)  # every rank's sequences (gloo has no AVG: sum, then divide)
-                loss = loss_sum.item() / (world_size * steps_since_log)  # the one host sync of the interval
+                # the one host sync of the interval; under --pp, the last stage's ranks alone had a loss
+                loss = loss_sum.item() / (world_size // args.pp * steps_since_log)
                 now = time.perf_counter()
                 tokens_per_s = steps_since_log * global_batch * args.seq_len / (now - started)
                 started = now  # all that follows counts in the next interval: a save's copy to CPU memory too
                 # fp16: an infinite gradient is the scaler's to handle (it skips the step, lowers the scale)
                 if not (math.isfinite(loss) and (scaler.is_enabled() or math.isfinite(grad_norm.item()))
-                        and (not saving or weights_are_finite(model))):
+                        and (not saving or weights_are_finite(list(model.parameters())))):
                     # The same all-reduced loss, global norm and weights' verdict on every rank: all stop
                     # here, and nothing is saved over the last good checkpoint.
                     not_finite(f"the loss ({loss}), the gradient's norm ({grad_norm.item()}) or the weights", step)
@@ -611,8 +638,17 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
                 line = (f"step {step + 1} | loss {loss:.4f} | lr {lr:.2e} | grad_norm {grad_norm.item():.3f} | "
                         f"{tokens_per_s:,.0f} tok/s")
                 if peak:
-                    record["mfu"] = tokens_per_s * gpt.flops_per_token() / (world_size * peak)
+                    record["mfu"] = tokens_per_s * flops_per_token / (world_size * peak)
                     line += f" | mfu {record['mfu']:.1%}"
+                if pipe:  # each stage's share of step() spent waiting, the most micro-batches it held: pipeline.py
+                    stages = pipe.report()
+                    record["pp_wait"] = [round(r["wait"], 4) for r in stages]
+                    record["pp_held"] = {s: n for r in stages for s, n in r["held"].items()}
+                    line += " | pp wait " + " ".join(f"{r['wait']:.0%}" for r in stages)
+                    if done and rank == 0:  # the last step's timeline of each stage: gpt/plot.py --pipeline draws it
+                        with open(os.path.join(args.out_dir, "pp_timeline.json"), "w") as file:
+                            json.dump({"schedule": args.pp_schedule, "pp": args.pp, "micro_batches": args.grad_accum,
+                                       "ranks": [r["timeline"] for r in stages]}, file)
                 memory, words = peak_memory(device)
                 log({**record, **memory}, f"{line} | {words}")
                 loss_sum.zero_()
@@ -629,7 +665,7 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
                 started += time.perf_counter() - eval_started  # evaluation is not training time
                 if not (stopping or done) and stop.now():  # a signal during it: agreed now, not intervals later
                     stopping = saving = True
-                    if not weights_are_finite(model):  # as above: nothing saved over the last good checkpoint
+                    if not weights_are_finite(list(model.parameters())):  # as above: the last checkpoint stays
                         not_finite("the weights", step)
             if saving:
                 save(step + 1)
@@ -662,9 +698,14 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
     return model
 
 
-def export_model(model: torch.nn.Module, path: str, rank: int) -> None:
+def export_model(model: torch.nn.Module | pipeline.Pipeline, path: str, rank: int) -> None:
     """The whole model as a plain state_dict on rank 0. Under FSDP every rank must take part: the
-    full tensors are gathered from every shard."""
+    full tensors are gathered from every shard (and under --pp, from every stage)."""
+    if isinstance(model, pipeline.Pipeline):
+        state = model.full_state_dict()
+        if rank == 0:
+            export(path, model.parts[0].config, state)
+        return
     gpt = model.module if isinstance(model, DDP) else model
     if isinstance(model, DDP):
         state = gpt.state_dict()

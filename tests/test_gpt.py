@@ -159,6 +159,46 @@ def test_the_tensor_parallel_proof_fails_with_the_head_untied_or_a_collective_le
                                           f"tp in {precision} with {mutant}")
 
 
+# Pipeline parallel: (ranks, --batch_size, --grad_accum) of 12 sequences a step; the micro-batches are the schedule's.
+PP_SPLIT = (2, 6)  # one pipeline: 6 micro-batches of 2
+
+
+def test_pipeline_parallel_trains_what_one_process_trains():
+    """--pp 2 (1F1B), pp 2 × hsdp (replicate 2) and pp 2 × fsdp 2 × tp 2 (8 ranks), each against one process on
+    the same 12 sequences a step: the losses, gradient norms, validation losses (through the stages) and exported
+    weights, to the tolerances of the other layouts (the micro-batches' sums are added in another order)."""
+    alone = run_split("fsdp", 2, *PP_SPLIT, "--pp", "2")
+    assert "fsdp on 2 ranks (pp 2 × shard 1)" in alone[2]
+    assert_same_training(one_process(), alone, "pp 2")
+    hsdp = run_split("hsdp", 4, 3, 2, "--pp", "2", "--shard_size", "1")
+    assert "hsdp on 4 ranks (pp 2 × replicate 2 × shard 1)" in hsdp[2]
+    assert_same_training(one_process(), hsdp, "pp 2 × hsdp 2 × 1")
+    three = run_split("fsdp", 8, 3, 2, "--pp", "2", "--tp", "2")
+    assert "fsdp on 8 ranks (pp 2 × shard 2 × tp 2)" in three[2]
+    assert_same_training(one_process(), three, "pp 2 × fsdp 2 × tp 2")
+
+
+@pytest.mark.parametrize(("nproc", "schedule"), [(4, "1F1B"), (2, "Interleaved1F1B"), (2, "ZBVZeroBubble"),
+                                                 (2, "DualPipeV")])
+def test_every_kind_of_schedule_trains_what_one_process_trains(nproc, schedule):
+    """The `mini` model (4 blocks): pp 4 with 1F1B, and pp 2 with two stages per rank: interleaved (stages r and
+    r + 2), and the V-shaped zero-bubble schedules (stages r and 3 - r), which compute each backward in two parts,
+    the input's gradient first and the weights' later. 4 micro-batches of 3."""
+    reference = run_split("ddp", *SPLITS[0], "--model", "mini")
+    pipelined = run_split("fsdp", nproc, 3, 4, "--model", "mini", "--pp", str(nproc), "--pp_schedule", schedule)
+    assert_same_training(reference, pipelined, f"pp {nproc} with {schedule}")
+
+
+@pytest.mark.parametrize("mutant", ["gpt_pp_untied.py", "gpt_pp_scaled_twice.py"])
+def test_the_pipeline_proof_fails_with_the_tied_gradients_not_added_or_the_micro_batches_divided_twice(mutant):
+    """Two mutants of pp 2: the embedding's and the head's gradients each left to its own stage, and a loss that
+    divides by the micro-batches as well as the schedule."""
+    broken = train_script(mutant, 2, *ARGV, "--parallel", "fsdp", "--pp", "2", "--batch_size", str(PP_SPLIT[0]),
+                          "--grad_accum", str(PP_SPLIT[1]))
+    with pytest.raises(AssertionError):
+        assert_same_training(one_process(), broken, f"pp with {mutant}")
+
+
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_the_proof_fails_without_the_gradient_reduction(parallel):
     """tests/gpt_no_sync.py is gpt/train.py with every backward's gradient sync switched off: each
@@ -279,6 +319,9 @@ def test_every_documented_gpt_command_passes_options_train_py_accepts():
     (["--parallel", "hsdp", "--shard_size", "2"], "error: --shard_size 2 does not divide the 1 data-parallel ranks"),
     (["--tp", "2"], "error: --tp 2 needs --parallel fsdp or hsdp"),
     (["--parallel", "fsdp", "--tp", "2"], "error: --tp 2 does not divide the 1 ranks"),
+    (["--pp", "2"], "error: --pp 2 needs --parallel fsdp or hsdp"),
+    (["--parallel", "fsdp", "--pp", "2", "--precision", "fp16"], "error: --pp 2 runs in fp32 or bf16"),
+    (["--parallel", "fsdp", "--pp", "2", "--pp_schedule", "ZeroBubble"], "invalid choice: 'ZeroBubble'"),
 ])
 def test_bad_input_gets_one_line_and_a_non_zero_exit(argv, error, text_file):
     names = {"text": text_file, "folder": text_file.parent}
@@ -291,10 +334,16 @@ def test_bad_input_gets_one_line_and_a_non_zero_exit(argv, error, text_file):
 @pytest.mark.parametrize(("nproc", "argv", "error"), [
     (3, ["--tp", "3"], "--tp 3 does not divide the model's n_head, 2"),
     (2, ["--tp", "2", "--data", "{text}", "--vocab_size", "255"], "--tp 2 does not divide the model's vocab_size, 255"),
-    (2, ["--tp", "2", "--seq_len", "33"], "--tp 2 does not divide the model's seq_len, 33")],
-    ids=["heads", "vocab", "seq"])
-def test_a_tp_degree_that_does_not_divide_the_model_is_one_line_and_nothing_is_written(nproc, argv, error, text_file,
-                                                                                        tmp_path):
+    (2, ["--tp", "2", "--seq_len", "33"], "--tp 2 does not divide the model's seq_len, 33"),
+    (2, ["--pp", "2", "--pp_schedule", "Interleaved1F1B"], "--pp 2 with --pp_schedule Interleaved1F1B cuts the "
+                                                             "model into 4 stages of at least one block, and --model "
+                                                             "tiny has 2"),
+    (2, ["--pp", "2", "--grad_accum", "1"], "--pp_schedule 1F1B on 2 stages runs at least 2 micro-batches: "
+                                             "--grad_accum 1 is too few"),
+    (3, ["--pp", "2"], "--pp 2 × --tp 1 does not divide the 3 ranks")],
+    ids=["heads", "vocab", "seq", "pp-blocks", "pp-micro-batches", "pp-ranks"])
+def test_a_layout_that_does_not_divide_the_model_or_the_ranks_is_one_line_and_nothing_is_written(nproc, argv, error,
+                                                                                               text_file, tmp_path):
     argv = [a.format(text=text_file) for a in argv]
     result = torchrun_in_process(nproc, TRAIN, "--parallel", "fsdp", *argv, "--max_steps", "1", "--export", "model.pt",
                                  cwd=tmp_path, timeout=60)

@@ -133,21 +133,52 @@ def test_a_tensor_parallel_checkpoint_resumes_in_the_other_layouts(ranks, layout
     assert [r["lr"] for r in logged] == [r["lr"] for r in reference]
 
 
-def test_a_ddp_checkpoint_resumes_at_hsdp_by_tp(uninterrupted, tmp_path):
-    """A ddp checkpoint (2 ranks) resumed at hsdp 2 × 2 × tp 2 (8 ranks), within 1e-5 of the run that wrote it."""
-    logged = resumed_from(uninterrupted[2], 8, tmp_path, *split(4), "--parallel", "hsdp", "--shard_size", "2",
-                          "--tp", "2")
+# pp 2 × fsdp 2 on 4 ranks: two pipelines of 2 stages, each step 3 micro-batches of 2 sequences
+PP = ["--parallel", "fsdp", "--pp", "2", "--batch_size", "2", "--grad_accum", "3"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_pp(tmp_path_factory) -> Path:
+    """The folder of a run that nothing interrupts at pp 2 × fsdp 2 (4 ranks)."""
+    folder = tmp_path_factory.mktemp("whole_pp")
+    result = torchrun_in_process(4, TRAIN, *ARGV, *PP, "--export", "model.pt", cwd=folder, timeout=90)
+    assert result.codes == [0] * 4, result.stderr
+    return folder
+
+
+@pytest.mark.parametrize(("ranks", "layout"), [(4, ["--parallel", "fsdp", *split(4)]), (2, split(2)), (1, split(1))],
+                         ids=["fsdp4", "ddp2", "1rank"])
+def test_a_pipeline_checkpoint_resumes_in_the_other_layouts(ranks, layout, uninterrupted_pp, tmp_path):
+    """Step 20 of pp 2 × fsdp 2 resumed at fsdp 4, at ddp on 2 ranks and in one process: its names are the
+    unstaged model's (the head's optimizer state under wte.weight, as one process lists the tied matrix), and
+    the steps after 20 are within 1e-5 of the run that wrote it."""
+    logged = resumed_from(uninterrupted_pp, ranks, tmp_path, *layout)
+    reference = [r for r in records(uninterrupted_pp) if "loss" in r]
+    assert [r["step"] for r in logged] == list(range(1, 25))
+    np.testing.assert_allclose([r["loss"] for r in logged], [r["loss"] for r in reference], rtol=1e-5)
+    assert [r["lr"] for r in logged] == [r["lr"] for r in reference]
+
+
+@pytest.mark.parametrize(("ranks", "layout"), [
+    (8, [*split(4), "--parallel", "hsdp", "--shard_size", "2", "--tp", "2"]),
+    (4, PP)], ids=["hsdp 2 × 2 × tp 2", "pp 2 × fsdp 2"])
+def test_a_ddp_checkpoint_resumes_at_tp_and_at_pp(ranks, layout, uninterrupted, tmp_path):
+    """A ddp checkpoint (2 ranks) resumed at hsdp 2 × 2 × tp 2 (8 ranks) and at pp 2 × fsdp 2 (4 ranks; the last
+    stage's head loads the tied matrix), within 1e-5 of the run that wrote it."""
+    logged = resumed_from(uninterrupted[2], ranks, tmp_path, *layout)
     reference = [r for r in records(uninterrupted[2]) if "loss" in r]
     assert [r["step"] for r in logged] == list(range(1, 25))
     np.testing.assert_allclose([r["loss"] for r in logged], [r["loss"] for r in reference], rtol=1e-5)
 
 
-@pytest.mark.parametrize("layout", ["ddp", "fsdp 2 × tp 2"])
-def test_a_worker_killed_at_a_random_step_costs_nothing(layout, uninterrupted, uninterrupted_tp, tmp_path):
-    """torchrun --max-restarts 3, ddp on 3 ranks or fsdp 2 × tp 2 on 4, fp32: one worker SIGKILLed as it starts
-    a step drawn at random. The restarted job resumes from the last checkpoint, and ends with the weights of a
-    run that nothing interrupted, bit for bit; every step's learning rate is logged once, and the same."""
-    nproc, argv, reference = (3, split(3), uninterrupted[3]) if layout == "ddp" else (4, TP, uninterrupted_tp)
+@pytest.mark.parametrize("layout", ["ddp", "fsdp 2 × tp 2", "pp 2 × fsdp 2"])
+def test_a_worker_killed_at_a_random_step_costs_nothing(layout, uninterrupted, uninterrupted_tp, uninterrupted_pp,
+                                                         tmp_path):
+    """torchrun --max-restarts 3, ddp on 3 ranks, fsdp 2 × tp 2 or pp 2 × fsdp 2 on 4, fp32: one worker SIGKILLed
+    as it starts a step drawn at random. The restarted job resumes from the last checkpoint, and ends with the
+    weights of a run that nothing interrupted, bit for bit; every step's learning rate is logged once, and the same."""
+    nproc, argv, reference = {"ddp": (3, split(3), uninterrupted[3]), "fsdp 2 × tp 2": (4, TP, uninterrupted_tp),
+                              "pp 2 × fsdp 2": (4, PP, uninterrupted_pp)}[layout]
     rank, step = random.randrange(nproc), random.randrange(2, 25)
     result = run([TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "3", TRAIN, *ARGV,
                   *argv, "--out_dir", str(tmp_path / "out"), "--export", str(tmp_path / "model.pt")],
@@ -164,7 +195,7 @@ def test_a_worker_killed_at_a_random_step_costs_nothing(layout, uninterrupted, u
     assert [r["step"] for r in logged] == list(range(1, 25))
 
 
-@pytest.mark.parametrize("to", ["all", "one worker of tp 2"])
+@pytest.mark.parametrize("to", ["all", "one worker of tp 2", "one worker of pp 2"])
 def test_sigterm_saves_the_step_in_flight_and_the_same_command_finishes_the_run(to, tmp_path):
     """SIGTERM mid-run to torchrun and to every worker, as Slurm sends it before a preemption (so
     each worker gets it twice: torchrun passes its own on), or to one worker alone (the others learn
@@ -172,8 +203,11 @@ def test_sigterm_saves_the_step_in_flight_and_the_same_command_finishes_the_run(
     stops after the same step, saves it, and exits within torchrun's 30 s. The same command resumes from
     that step, not an older one, and ends with the weights of a run that nothing stopped."""
     # tp's steps are slower (4 collectives a block and pass): fewer, still far more than a stop takes to agree
-    layout, steps = (["--parallel", "fsdp", "--tp", "2", "--batch_size", "12", "--grad_accum", "1"], 30) if "tp" in to \
-        else (split(2), 400)
+    layout, steps = {"all": (split(2), 400),
+                     "one worker of tp 2": (["--parallel", "fsdp", "--tp", "2", "--batch_size", "12", "--grad_accum",
+                                             "1"], 30),
+                     "one worker of pp 2": (["--parallel", "fsdp", "--pp", "2", "--batch_size", "6", "--grad_accum",
+                                             "2"], 60)}[to]
     argv = [*ARGV, *layout, "--max_steps", str(steps), "--save_every", "1000"]
     command = [TORCHRUN, "--standalone", "--nproc-per-node", "2", TRAIN, *argv, "--out_dir", str(tmp_path / "out"),
                "--export", str(tmp_path / "model.pt")]
