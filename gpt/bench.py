@@ -6,6 +6,7 @@
     python gpt/bench.py --world_sizes 1 --resume            # a resumed run against a fresh one
     python gpt/bench.py --world_sizes 2 4 --stop_agreement  # what agreeing on a stop costs a step
     python gpt/bench.py --world_sizes 4 --tp 1 2 4          # fsdp 4, fsdp 2 × tp 2, tp 4: tokens/s and bytes
+    python gpt/bench.py --world_sizes 2 --pp GPipe 1F1B ZBVZeroBubble -- --grad_accum 8  # the bubble, measured
 
 Each world size runs train.py under torchrun `--repeats` times with the same per-rank batch (weak
 scaling), in a temporary --out_dir, and reads tokens_per_s from its metrics.jsonl, leaving out the
@@ -21,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -29,6 +31,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+import pipeline
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULTS = ["--max_steps", "60", "--log_every", "10", "--eval_every", "1000000", "--val_tokens", "64",
@@ -144,6 +148,39 @@ def tensor_parallel(world_size: int, degrees: list[int], train_args: list[str], 
               flush=True)
 
 
+def pipelined(world_size: int, schedules: list[str], train_args: list[str], repeats: int, cores: int,
+              keep: str | None) -> None:
+    """--pp at the world size with each schedule (fsdp, one pipeline, --model mini unless given: 4 blocks): the
+    tokens/s, each pipeline rank's share of a step spent waiting (train.py's pp_wait: the median of the log
+    intervals but the first, over the runs) beside its paper's formula, and the most micro-batches each stage
+    held. keep: a folder for each schedule's pp_timeline.json (gpt/plot.py --pipeline draws them)."""
+    train_parser = argparse.ArgumentParser(add_help=False)
+    train_parser.add_argument("--model", default="mini")
+    train_parser.add_argument("--grad_accum", type=int, default=8)
+    known = train_parser.parse_known_args(train_args)[0]
+    threads = 1 if torch.cuda.is_available() else max(1, cores // world_size)
+    print(f"{'schedule':>22} {'tokens/s':>9} {'waited, measured, by rank':>26} {'formula':>8}  most micro-batches "
+          "held, by stage")
+    for schedule in schedules:
+        speeds, waits = [], []
+        for _ in range(repeats):
+            with tempfile.TemporaryDirectory() as out_dir:
+                layout = ["--model", known.model, "--grad_accum", str(known.grad_accum), "--parallel", "fsdp",
+                          "--pp", str(world_size), "--pp_schedule", schedule]
+                speeds.append(statistics.median(run(world_size, [*train_args, *layout], threads, out_dir)))
+                with open(os.path.join(out_dir, "metrics.jsonl")) as file:
+                    logged = [r for r in map(json.loads, file) if "pp_wait" in r][1:]
+                waits.extend(r["pp_wait"] for r in logged)
+                held = logged[-1]["pp_held"]
+                if keep:
+                    os.makedirs(keep, exist_ok=True)
+                    shutil.copy(os.path.join(out_dir, "pp_timeline.json"), os.path.join(keep, f"{schedule}.json"))
+        waited = " ".join(f"{statistics.median(w[r] for w in waits):.0%}" for r in range(world_size))
+        formula = pipeline.bubble(schedule, world_size, known.grad_accum)
+        print(f"{schedule:>22} {statistics.median(speeds):>9,.0f} {waited:>26} {formula:>8.0%}  "
+              f"{' '.join(f'{s}:{held[s]}' for s in sorted(held, key=int))}", flush=True)
+
+
 def cost(with_it: list[float], without: list[float], alone: float) -> str:
     """The median extra time per step, in us and as a share of a step alone, [min, max]."""
     extra = sorted(1e6 * (t - a) for t, a in zip(with_it, without, strict=True))
@@ -172,6 +209,10 @@ def main() -> None:
     parser.add_argument("--tp", type=int, nargs="+", help="instead: fsdp with each of these tp degrees at the last of "
                                                           "--world_sizes,\non one global batch, and what each rank "
                                                           "holds and sends (simulate.py)")
+    parser.add_argument("--pp", nargs="+", choices=pipeline.SCHEDULES, help="instead: --pp at the last of "
+                        "--world_sizes with each of these schedules:\nthe time each stage waits, against the "
+                        "formula, and the micro-batches it holds")
+    parser.add_argument("--timelines", help="with --pp: keep each schedule's pp_timeline.json in this folder")
     parser.add_argument("--stop_worker", type=int, help=argparse.SUPPRESS)  # stop_agreement's ranks, under torchrun
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: train.py's own arguments")
     args = parser.parse_args()
@@ -187,6 +228,10 @@ def main() -> None:
     print(f"machine: {machine()}")
     if args.stop_agreement:
         return stop_agreement(args.world_sizes, args.repeats, cores)
+    if args.pp:
+        print(f"train.py {' '.join(DEFAULTS + train_args)} on {args.world_sizes[-1]} ranks: --model mini and "
+              "--grad_accum 8 unless given, --parallel fsdp --pp N (one pipeline)")
+        return pipelined(args.world_sizes[-1], args.pp, train_args, args.repeats, cores, args.timelines)
     if args.tp:
         print(f"train.py {' '.join(DEFAULTS + train_args)} on {args.world_sizes[-1]} ranks: --model mini unless "
               "given, --parallel fsdp --tp T, T × --batch_size per tp group (one global batch)")

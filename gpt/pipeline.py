@@ -47,6 +47,18 @@ def holder(stage: int, pp: int, schedule: str) -> int:
     return stage % pp if schedule not in V_SHAPED or stage < pp else 2 * pp - 1 - stage
 
 
+def bubble(schedule: str, pp: int, micro_batches: int) -> float:
+    """The share of a step each rank waits, in the schedule's paper, forward and backward (or the backward's two
+    halves) taking the same time on every stage: (p - 1) / (m + p - 1) for GPipe and 1F1B (p - 1 steps to fill
+    and to drain the pipeline, m of work); (p - 1) / (v·m + p - 1) with v stages per rank, interleaved or looped
+    (Megatron-LM, 2021: a fill of 1/v the length); 0 for the zero-bubble ones (Qi et al., 2024; DeepSeek's
+    DualPipe): the weights' gradients, which nothing waits for, fill the waits once m >= 2p."""
+    if schedule in SPLIT_BACKWARD:
+        return 0.0
+    v = stages_per_rank(schedule)
+    return (pp - 1) / (v * micro_batches + pp - 1)
+
+
 def check(args: argparse.Namespace, config: GPTConfig) -> None:
     """A pipeline the model or the schedule cannot run, refused before anything is written (ValueError, one line):
     a stage holds at least one block; the schedules' own rules on the number of micro-batches (--grad_accum)."""

@@ -2,6 +2,7 @@
 
     python gpt/plot.py out_1rank out_4ranks --out loss.png
     python gpt/plot.py --layouts fsdp8.json fsdp4_tp2.json --out layouts.png   # simulate.py --json's figures
+    python gpt/plot.py --pipeline 1F1B.json ZBVZeroBubble.json --out pp.png  # train.py --pp's pp_timeline.json
 
 Each OUT_DIR is a run's --out_dir: its metrics.jsonl gives the training loss (a line) and the
 validation loss (dots); the floor, where the data has one, is a dotted line. Needs matplotlib
@@ -71,16 +72,66 @@ def plot_layouts(files: list[str], path: str):
     return figure
 
 
+KINDS = {"F": ("forward", "tab:blue"), "B": ("backward", "tab:orange"), "I": ("backward, input's gradient", "tab:red"),
+         "W": ("backward, weights' gradient", "tab:green")}
+
+
+def plot_pipeline(files: list[str], path: str):
+    """Each file's last step, one row per pipeline rank: when each stage computed what (the gaps: the bubble)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = []
+    for file in files:
+        with open(file) as f:
+            runs.append(json.load(f))
+    figure, panels = plt.subplots(len(runs), 1, figsize=(11, 1.2 + 0.55 * sum(r["pp"] for r in runs)), squeeze=False)
+    for axes, run in zip(panels[:, 0], runs, strict=True):
+        seen = set()
+        for rank, timeline in enumerate(run["ranks"]):
+            for stage, kind, start, end in timeline:
+                axes.barh(rank, 1e3 * (end - start), left=1e3 * start, color=KINDS[kind][1], edgecolor="white",
+                          label=KINDS[kind][0] if kind not in seen else None)
+                axes.text(1e3 * (start + end) / 2, rank, str(stage), ha="center", va="center", fontsize=6,
+                          color="white")
+                seen.add(kind)
+        axes.set_yticks(range(run["pp"]), [f"rank {r}" for r in range(run["pp"])])
+        axes.invert_yaxis()
+        axes.set_title(f"{run['schedule']}: pp {run['pp']}, {run['micro_batches']} micro-batches (each bar: a stage "
+                       "at work, its number on it)", fontsize=9)
+        axes.legend(fontsize="x-small", loc="lower right")
+    panels[-1, 0].set_xlabel("ms into the step")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    return figure
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dirs", nargs="*", help="runs' --out_dir folders, each with a metrics.jsonl")
     parser.add_argument("--layouts", nargs="+", help="instead: simulate.py --json files, one bar each")
+    parser.add_argument("--pipeline", nargs="+", help="instead: train.py --pp's pp_timeline.json files, one panel "
+                                                      "each")
     parser.add_argument("--out", default="loss.png", help="the PNG to write")
     args = parser.parse_args()
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         parser.error("plot.py needs matplotlib: pip install -r requirements-plot.txt")
+    if args.pipeline:
+        if args.out_dirs or args.layouts:
+            parser.error("give the runs' --out_dir folders, --layouts or --pipeline, one of them")
+        for file in args.pipeline:
+            try:
+                with open(file) as f:
+                    json.load(f)["ranks"][0][0][3]
+            except (OSError, ValueError, LookupError, TypeError):
+                parser.error(f"{file}: not the pp_timeline.json of a train.py --pp run")
+        plot_pipeline(args.pipeline, args.out)
+        print(f"wrote {args.out}")
+        return
     if args.layouts:
         if args.out_dirs:
             parser.error("give the runs' --out_dir folders or --layouts, not both")

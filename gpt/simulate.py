@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import parallelize
+import pipeline
 from model import CONFIGS, GPT, GPTConfig
 
 # Past train.py's sizes, for the simulation only: GPT-2 XL (1.5B) and GPT-3's 6.7B and 13B shapes.
@@ -38,10 +39,11 @@ KINDS = {"_allgather_base_": "all-gather", "allgather_": "all-gather", "all_gath
          "_reduce_scatter_base_": "reduce-scatter", "reduce_scatter_": "reduce-scatter",
          "reduce_scatter_tensor": "reduce-scatter", "allreduce_": "all-reduce", "allreduce_coalesced_": "all-reduce",
          "all_reduce": "all-reduce", "alltoall_base_": "all-to-all", "all_to_all_single": "all-to-all",
-         "broadcast_": "broadcast"}
+         "broadcast_": "broadcast", "send": "send", "recv_": "recv"}
 # Bytes each rank sends, as a share of the collective's whole tensor, in a ring of n ranks.
 WIRE = {"all-gather": lambda n: (n - 1) / n, "reduce-scatter": lambda n: (n - 1) / n,
-        "all-reduce": lambda n: 2 * (n - 1) / n, "all-to-all": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+        "all-reduce": lambda n: 2 * (n - 1) / n, "all-to-all": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0,
+        "send": lambda n: 1.0, "recv": lambda n: 0.0}
 
 
 class Collectives(TorchDispatchMode):
@@ -71,6 +73,8 @@ class Collectives(TorchDispatchMode):
                              if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()))
             else:  # the group's name, the last string (after the reduce op's)
                 group = [a for a in args if isinstance(a, str)][-1]
+            if kind in ("send", "recv") and not flat[0].is_floating_point():
+                return out  # a pipeline's first step also sends its shapes (integers): not a step's traffic
             entry = self.sent[self.dims.get(group, "other")][kind]
             entry[0] += 1
             entry[1] += max(t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor))
@@ -98,11 +102,17 @@ def one_step(args: argparse.Namespace, world_size: int, device: torch.device, fa
     model = parallelize.parallelize_gpt(model, mesh, args, device, init=not fake)
     optimizer = torch.optim.AdamW(model.parameters())
     counted = Collectives(mesh)
+    if isinstance(model, pipeline.Pipeline) and model.tie_group is not None:  # the tied matrix's pair: pp ranks
+        counted.dims[model.tie_group.group_name] = "pp"
     with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(), counted:
-        x, y = torch.randint(args.vocab_size, (2, args.batch_size, args.seq_len), device=device)
-        with parallelize.loss_context(mesh):
-            model(x, y).mean().backward()
-        parallelize.clip_gradients(model, 1.0)
+        x, y = torch.randint(args.vocab_size, (2, args.batch_size * args.grad_accum, args.seq_len), device=device)
+        if isinstance(model, pipeline.Pipeline):
+            model.step(x, y)
+            model.clip_gradients(1.0)
+        else:
+            with parallelize.loss_context(mesh):
+                model(x, y).mean().backward()
+            parallelize.clip_gradients(model, 1.0)
         optimizer.step()
         bytes_held = held(model, optimizer)
     sent = {dim: dict(kinds) for dim, kinds in counted.sent.items()}
@@ -118,7 +128,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shard_size", type=int, help="hsdp: data-parallel ranks per shard group (default: a node's "
                                                     "ranks / --tp,\n8 GPUs a node when simulated)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel ranks, innermost, as train.py's")
-    p.add_argument("--batch_size", type=int, default=1, help="sequences per data-parallel rank")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages, outermost, as train.py's")
+    p.add_argument("--pp_schedule", choices=pipeline.SCHEDULES, default="1F1B", help="as train.py's")
+    p.add_argument("--grad_accum", type=int, default=1, help="micro-batches a step (the pipeline's)")
+    p.add_argument("--batch_size", type=int, default=1, help="sequences per data-parallel rank per micro-batch")
     p.add_argument("--seq_len", type=int, default=1024, help="tokens per sequence")
     p.add_argument("--vocab_size", type=int, default=50304, help="GPT-2's, padded to a multiple of 64")
     p.add_argument("--precision", choices=parallelize.DTYPES, default="fp32", help="the compute dtype")
@@ -126,10 +139,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--every_rank", action="store_true", help="simulate each rank in turn, not only rank 0")
     p.add_argument("--json", action="store_true", help="one JSON list of the ranks' figures, for tests")
     args = p.parse_args(argv)
-    for name in ("shard_size", "tp", "batch_size", "seq_len", "vocab_size", "ranks"):
+    for name in ("shard_size", "tp", "pp", "grad_accum", "batch_size", "seq_len", "vocab_size", "ranks"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
-    args.compile, args.seed, args.pp, args.pp_schedule = False, 0, 1, "1F1B"  # what parallelize.py reads of train.py's
+    args.compile, args.seed = False, 0  # what parallelize.py reads of train.py's other flags
     if args.shard_size is not None and args.parallel != "hsdp":
         p.error("--shard_size is for --parallel hsdp")
     if args.tp > 1 and args.parallel == "ddp":
@@ -138,6 +151,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.shard_size = max(1, min(8, args.ranks) // args.tp)  # a node of 8 GPUs (under torchrun: the real node's)
     if (args.ranks is None) == ("RANK" not in os.environ):
         p.error("give --ranks to simulate, or start under torchrun to count a real run, not both")
+    if args.ranks and args.pp > 1:  # torch's schedules vote with .item() and send their shapes first: real values
+        p.error("--pp is counted under torchrun only: torch's schedules start with an exchange of real values, "
+                "which a fake process group cannot give")
+    if args.pp > 1 and args.parallel == "ddp":
+        p.error(f"--pp {args.pp} needs --parallel fsdp or hsdp, as in train.py")
     if args.ranks and args.parallel == "ddp":  # and DDP's reducer fails on the fake group's results
         p.error("ddp holds the whole model on every rank and all-reduces every gradient once a step: count it "
                 "under torchrun")
@@ -155,7 +173,8 @@ def report(args: argparse.Namespace, world_size: int, figures: dict, simulated: 
     mesh = " × ".join(f"{name} {n}" for name, n in figures["mesh"].items())
     lines = [f"{args.model} | {args.parallel} on {world_size:,} rank{'s' if world_size > 1 else ''} ({mesh}) | "
              f"{args.precision} | "
-             f"{args.batch_size} × {args.seq_len} tokens per data-parallel rank | "
+             f"{args.batch_size} × {args.seq_len} tokens per data-parallel rank"
+             f"{f' and micro-batch, {args.grad_accum} of them' if args.grad_accum > 1 else ''} | "
              f"{'simulated' if simulated else 'counted in a real run'}",
              "held by rank 0: " + " | ".join(f"{k} {size(v)}" for k, v in figures["held"].items()),
              f"{'sent in one step':<26}{'count':>6}{'whole tensors':>15}{'each rank sends':>17}"]

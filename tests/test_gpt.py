@@ -513,6 +513,32 @@ def test_bench_prints_a_tp_degree_beside_what_a_rank_holds_and_sends():
     assert float(rows[0][1]) == round(4 * params / 2**20, 2) and float(rows[0][2]) > 0
 
 
+def test_bench_prints_each_schedules_wait_beside_its_formula_and_the_micro_batches_each_stage_held(tmp_path):
+    """--pp GPipe 1F1B ZBVZeroBubble at 2 ranks, 4 micro-batches: each rank's measured share of a step spent
+    waiting (a share: the time is the benchmark's to print, not a test's), the formula ((p - 1) / (m + p - 1)
+    for GPipe and 1F1B, 0 for ZB-V), and the most micro-batches each stage held, which the schedules' orders
+    decide: GPipe all m, 1F1B p - s on stage s, ZB-V 2p - s (stage s of 2p, each backward ending with the
+    weights'). Then plot.py --pipeline draws their timelines, one bar per stage's piece of work."""
+    result = run([sys.executable, str(REPO / "gpt" / "bench.py"), "--world_sizes", "2", "--repeats", "1", "--pp",
+                  "GPipe", "1F1B", "ZBVZeroBubble", "--timelines", str(tmp_path), "--", "--max_steps", "6",
+                  "--log_every", "2", "--grad_accum", "4", "--batch_size", "2"], timeout=180)
+    assert result.returncode == 0, result.stderr
+    rows = {name: (waits, formula, held) for name, waits, formula, held in re.findall(
+        r"^ +(\w+) +[\d,]+ +(\d+% \d+%) +(\d+)%  ((?:\d+:\d+ ?)+)$", result.stdout, re.MULTILINE)}
+    assert sorted(rows) == ["1F1B", "GPipe", "ZBVZeroBubble"], result.stdout
+    for name, (waits, formula, held) in rows.items():
+        assert all(0 <= int(w[:-1]) < 100 for w in waits.split())
+        assert int(formula) == {"GPipe": 20, "1F1B": 20, "ZBVZeroBubble": 0}[name]  # 1 / (4 + 1)
+        assert held == {"GPipe": "0:4 1:4", "1F1B": "0:2 1:1", "ZBVZeroBubble": "0:4 1:3 2:2 3:1"}[name], name
+    files = [str(tmp_path / f"{name}.json") for name in ("GPipe", "ZBVZeroBubble")]
+    drawn = run([sys.executable, str(REPO / "gpt" / "plot.py"), "--pipeline", *files, "--out",
+                 str(tmp_path / "pp.png")], timeout=60)
+    assert drawn.returncode == 0 and (tmp_path / "pp.png").stat().st_size > 0, drawn.stderr
+    timelines = [json.loads(Path(f).read_text()) for f in files]
+    pieces = [sum(len(rank) for rank in t["ranks"]) for t in timelines]
+    assert pieces == [2 * 2 * 4, 3 * 4 * 4]  # GPipe: F and B per micro-batch and stage; ZB-V: F, I, W on 4 stages
+
+
 def test_bench_prints_what_saving_costs_and_compares_a_resumed_run_with_a_fresh_one():
     """Checkpoints every 4 steps against none, in runs beside each other; and a run resumed at its own
     --max_steps (12 here; 60 by default), then run to twice that, against the same steps of a fresh one."""

@@ -40,6 +40,28 @@ def test_the_simulation_counts_what_a_real_run_sends():
     assert counted == simulated(ranks, *TINY, *layout, "--every_rank")
 
 
+def test_a_pipelines_sends_and_its_tied_matrix_are_counted_in_a_real_run():
+    """pp 2 × fsdp 2, 3 micro-batches of 2 × 32 tokens (4 real ranks; a fake process group cannot run torch's
+    schedules): each stage holds its half of the model, sharded in two, and on the pp dimension sends 3
+    activations (stage 0, forward) or 3 gradients (stage 1, backward) of 2 × 32 × 64 floats, receives as many,
+    and all-reduces twice: its shard of the tied matrix's gradient, and the clipping norm's square."""
+    real = torchrun_in_process(4, SIMULATE, *TINY, "--parallel", "fsdp", "--pp", "2", "--grad_accum", "3", "--json",
+                               timeout=120)
+    assert real.codes == [0] * 4, real.stderr
+    counted = json.loads(real.stdouts[0])
+    config = GPTConfig(vocab_size=64, seq_len=32, **CONFIGS["tiny"])
+    params = shapes(config)
+    stages = [[n for n in params if not n.startswith(("blocks.1", "ln_f"))],
+              [n for n in params if n.startswith(("blocks.1", "ln_f", "wte"))]]  # the head: wte's copy
+    activation = 2 * 32 * 64 * 4
+    for rank, figures in enumerate(counted):
+        stage = rank // 2  # pp outermost: ranks 0, 1 hold stage 0
+        assert figures["mesh"] == {"pp": 2, "shard": 2}
+        assert figures["held"]["parameters"] == sum(params[n] for n in stages[stage]) * 4 // 2
+        assert figures["sent"]["pp"] == {"send": [3, 3 * activation], "recv": [3, 3 * activation],
+                                         "all-reduce": [2, params["wte.weight"] * 4 // 2 + 4]}, rank
+
+
 def split_by_tp(name: str) -> bool:
     """Whether tensor parallel splits this parameter: all but the norms' and the row-parallel layers' biases."""
     return not (".ln_" in name or name.startswith("ln_f") or name.endswith(("attn.o.bias", "mlp.proj.bias")))
@@ -113,7 +135,8 @@ def test_gpt2_at_1024_ranks_is_simulated_and_still_equals_the_formulas():
 
 @pytest.mark.parametrize(("argv", "error"), [
     (["--ranks", "1024", "--model", "gpt2", "--tp", "8"], "error: --tp 8 does not divide the model's n_head, 12"),
-    (["--ranks", "2", "--parallel", "ddp"], "ddp holds the whole model on every rank")])
+    (["--ranks", "2", "--parallel", "ddp"], "ddp holds the whole model on every rank"),
+    (["--ranks", "4", "--pp", "2"], "--pp is counted under torchrun only")])
 def test_a_layout_that_cannot_be_built_is_one_line(argv, error):
     result = run([sys.executable, SIMULATE, *argv], timeout=60)
     assert result.returncode != 0 and error in result.stderr, result.stderr
