@@ -173,7 +173,7 @@ class Pipeline:
         self.head = next((part.lm_head.weight for part in parts if part.last), None)
         self.tie_group = None
         ranks = mesh.mesh.reshape(mesh["pp"].size(), -1)  # (pp, the other dimensions' ranks)
-        holders = (0, (count - 1) % mesh["pp"].size() if args.pp_schedule not in V_SHAPED else 0)
+        holders = (self.holder[0], self.holder[count - 1])
         if holders[0] != holders[1]:
             for column in range(ranks.shape[1]):  # every rank creates every group, in the same order
                 pair = dist.new_group([int(ranks[h, column]) for h in holders])

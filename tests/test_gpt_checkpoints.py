@@ -110,50 +110,39 @@ def resumed_from(source: Path, ranks: int, folder: Path, *argv: str) -> list[dic
 
 # fsdp 2 × tp 2 on 4 ranks: 2 data-parallel ranks, one micro-step each (tp's are slow on CPUs: many small collectives)
 TP = ["--parallel", "fsdp", "--tp", "2", "--batch_size", "6", "--grad_accum", "1"]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted_tp(tmp_path_factory) -> Path:
-    """The folder of a run that nothing interrupts at fsdp 2 × tp 2 (4 ranks)."""
-    folder = tmp_path_factory.mktemp("whole_tp")
-    result = torchrun_in_process(4, TRAIN, *ARGV, *TP, "--export", "model.pt", cwd=folder, timeout=90)
-    assert result.codes == [0] * 4, result.stderr
-    return folder
-
-
-@pytest.mark.parametrize(("ranks", "layout"), [(4, ["--parallel", "fsdp", *split(4)]), (2, split(2)), (1, split(1))],
-                         ids=["fsdp4", "ddp2", "1rank"])
-def test_a_tensor_parallel_checkpoint_resumes_in_the_other_layouts(ranks, layout, uninterrupted_tp, tmp_path):
-    """Step 20 of fsdp 2 × tp 2 resumed at fsdp 4, at ddp on 2 ranks and in one process: the steps after 20
-    within 1e-5 of the run that wrote it, as between other layouts (DCP reshards the tp shards too)."""
-    logged = resumed_from(uninterrupted_tp, ranks, tmp_path, *layout)
-    reference = [r for r in records(uninterrupted_tp) if "loss" in r]
-    assert [r["step"] for r in logged] == list(range(1, 25))
-    np.testing.assert_allclose([r["loss"] for r in logged], [r["loss"] for r in reference], rtol=1e-5)
-    assert [r["lr"] for r in logged] == [r["lr"] for r in reference]
-
-
 # pp 2 × fsdp 2 on 4 ranks: two pipelines of 2 stages, each step 3 micro-batches of 2 sequences
 PP = ["--parallel", "fsdp", "--pp", "2", "--batch_size", "2", "--grad_accum", "3"]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted_pp(tmp_path_factory) -> Path:
-    """The folder of a run that nothing interrupts at pp 2 × fsdp 2 (4 ranks)."""
-    folder = tmp_path_factory.mktemp("whole_pp")
-    result = torchrun_in_process(4, TRAIN, *ARGV, *PP, "--export", "model.pt", cwd=folder, timeout=90)
+def whole(tmp_path_factory, name: str, layout: list[str]) -> Path:
+    """The folder of a run that nothing interrupts, at `layout` on 4 ranks."""
+    folder = tmp_path_factory.mktemp(name)
+    result = torchrun_in_process(4, TRAIN, *ARGV, *layout, "--export", "model.pt", cwd=folder, timeout=90)
     assert result.codes == [0] * 4, result.stderr
     return folder
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_tp(tmp_path_factory) -> Path:
+    return whole(tmp_path_factory, "whole_tp", TP)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_pp(tmp_path_factory) -> Path:
+    return whole(tmp_path_factory, "whole_pp", PP)
+
+
+@pytest.mark.parametrize("source", ["uninterrupted_tp", "uninterrupted_pp"], ids=["fsdp 2 × tp 2", "pp 2 × fsdp 2"])
 @pytest.mark.parametrize(("ranks", "layout"), [(4, ["--parallel", "fsdp", *split(4)]), (2, split(2)), (1, split(1))],
                          ids=["fsdp4", "ddp2", "1rank"])
-def test_a_pipeline_checkpoint_resumes_in_the_other_layouts(ranks, layout, uninterrupted_pp, tmp_path):
-    """Step 20 of pp 2 × fsdp 2 resumed at fsdp 4, at ddp on 2 ranks and in one process: its names are the
-    unstaged model's (the head's optimizer state under wte.weight, as one process lists the tied matrix), and
-    the steps after 20 are within 1e-5 of the run that wrote it."""
-    logged = resumed_from(uninterrupted_pp, ranks, tmp_path, *layout)
-    reference = [r for r in records(uninterrupted_pp) if "loss" in r]
+def test_a_tp_or_pp_checkpoint_resumes_in_the_other_layouts(source, ranks, layout, request, tmp_path):
+    """Step 20 of fsdp 2 × tp 2, or of pp 2 × fsdp 2, resumed at fsdp 4, at ddp on 2 ranks and in one process:
+    the steps after 20 within 1e-5 of the run that wrote it, as between other layouts (DCP reshards the tp
+    shards too; a pipeline's names are the unstaged model's, the head's optimizer state under wte.weight, as
+    one process lists the tied matrix)."""
+    folder = request.getfixturevalue(source)
+    logged = resumed_from(folder, ranks, tmp_path, *layout)
+    reference = [r for r in records(folder) if "loss" in r]
     assert [r["step"] for r in logged] == list(range(1, 25))
     np.testing.assert_allclose([r["loss"] for r in logged], [r["loss"] for r in reference], rtol=1e-5)
     assert [r["lr"] for r in logged] == [r["lr"] for r in reference]
