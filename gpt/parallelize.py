@@ -8,6 +8,7 @@ what a backward communicates under gradient accumulation.
 """
 import argparse
 import contextlib
+import math
 import os
 
 import torch
@@ -45,8 +46,10 @@ def check_layout(args: argparse.Namespace, config: GPTConfig, world_size: int) -
 
 
 def shard_size(args: argparse.Namespace, world_size: int) -> int:
-    """hsdp: the ranks of a shard group, --shard_size or a node's (LOCAL_WORLD_SIZE) less tp's."""
-    return args.shard_size or max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) // args.tp)
+    """hsdp: the ranks of a shard group, --shard_size or a node's (LOCAL_WORLD_SIZE) less tp's, at most the
+    data-parallel ranks (with --pp on one node, fewer than a node's)."""
+    node = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) // args.tp)
+    return args.shard_size or math.gcd(node, max(1, world_size // (args.tp * args.pp)))
 
 
 def make_mesh(args: argparse.Namespace, world_size: int, device: torch.device) -> DeviceMesh | None:
@@ -189,7 +192,11 @@ def load_state_dict(parts: list[nn.Module], optimizers: list[torch.optim.Optimiz
     """state_dict()'s state, loaded (by dcp.load) into the tensors it gave, set into the parts and optimizers."""
     for part, optimizer in zip(parts, optimizers, strict=True):
         own = set(get_state_dict(part, optimizer, options=FLAT)[0])
+        # The head's state loaded under wte's names is copied: in a V, one rank holds both stages, and the two
+        # optimizers would otherwise share (and each step) the same moments
         optim_state = {head_as_wte(name, part, back=True): value for name, value in state["optim"].items()}
+        optim_state.update({name: value.clone() for name, value in optim_state.items()
+                            if name.split(".")[1:3] == ["lm_head", "weight"] and isinstance(value, torch.Tensor)})
         set_state_dict(part, optimizer, model_state_dict={k: v for k, v in state["model"].items() if k in own},
                        optim_state_dict=optim_state, options=FLAT)
 

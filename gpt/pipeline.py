@@ -68,12 +68,13 @@ def check(args: argparse.Namespace, config: GPTConfig) -> None:
                          f"of at least one block, and --model {args.model} has {config.n_layer}")
     least = stages if args.pp_schedule in ("1F1B", "DualPipeV") else 1  # torch's Schedule1F1B, ScheduleDualPipeV
     if m < least:
-        raise ValueError(f"--pp_schedule {args.pp_schedule} on {stages} stages runs at least {least} micro-batches: "
-                         f"--grad_accum {m} is too few")
+        raise ValueError(f"--pp_schedule {args.pp_schedule} at --pp {args.pp} ({stages} stages, {stages // args.pp} "
+                         f"a rank) runs at least {least} micro-batches: --grad_accum {m} is too few")
     rounds = max(1, m // args.pp)  # torch's ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble
     if args.pp_schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and m % rounds:
-        raise ValueError(f"--pp_schedule {args.pp_schedule} runs the micro-batches in rounds of {args.pp}: "
-                         f"--grad_accum {m} is not a multiple of {rounds}")
+        raise ValueError(f"--pp_schedule {args.pp_schedule} at --pp {args.pp} runs --grad_accum {m} micro-batches "
+                         f"in {rounds} rounds (--grad_accum // --pp), which must divide them: give a multiple of "
+                         f"--pp, for one, or fewer than {2 * args.pp}")
 
 
 class Stage(nn.Module):
@@ -220,10 +221,11 @@ class Pipeline:
                 out = method(*args, **kwargs)
                 end = time.perf_counter()
                 done = "I" if kind == "B" and not kwargs.get("full_backward", True) else kind
+                micro = args[0] if args else next(iter(kwargs.values()))  # torch's schedules: the chunk id first
                 self.held[index] += {"F": 1, "B": -1, "I": 0, "W": -1}[done]
                 self.peak[index] = max(self.peak[index], self.held[index])
                 self.busy += end - start
-                self.timeline.append((index, done, start - self.started, end - self.started))
+                self.timeline.append((index, done, micro, start - self.started, end - self.started))
                 return out
             return run
 
@@ -234,10 +236,10 @@ class Pipeline:
     def report(self) -> list[dict]:
         """Each rank of this rank's pipeline, in pipeline order: the share of its time in step() that it waited
         (not computing) since the last report, the most micro-batches each of its stages held, and its last
-        step's timeline [stage, kind, start, end] in seconds. One all_gather_object over the pipeline."""
+        step's timeline [stage, kind, micro-batch, start, end] (seconds). One all_gather_object over the pipeline."""
         mine = {"wait": 1 - self.busy / self.wall if self.wall else 0.0,
                 "held": {str(s): n for s, n in self.peak.items()},
-                "timeline": [[s, kind, round(a, 6), round(b, 6)] for s, kind, a, b in self.timeline]}
+                "timeline": [[s, kind, i, round(a, 6), round(b, 6)] for s, kind, i, a, b in self.timeline]}
         everyone = [None] * self.mesh["pp"].size()
         dist.all_gather_object(everyone, mine, group=self.pp_group)
         self.busy = self.wall = 0.0

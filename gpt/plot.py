@@ -77,7 +77,9 @@ KINDS = {"F": ("forward", "tab:blue"), "B": ("backward", "tab:orange"), "I": ("b
 
 
 def plot_pipeline(files: list[str], path: str):
-    """Each file's last step, one row per pipeline rank: when each stage computed what (the gaps: the bubble)."""
+    """Each file's last step, in the order given, one row per pipeline rank on one time axis: when each rank
+    computed what, for which micro-batch (the number on a bar wide enough for it); a rank's second stage
+    hatched; the gaps are the waiting, each rank's share of the step in the title."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -87,23 +89,32 @@ def plot_pipeline(files: list[str], path: str):
     for file in files:
         with open(file) as f:
             runs.append(json.load(f))
-    figure, panels = plt.subplots(len(runs), 1, figsize=(11, 1.2 + 0.55 * sum(r["pp"] for r in runs)), squeeze=False)
+    figure, panels = plt.subplots(len(runs), 1, figsize=(11, 1.2 + 0.6 * sum(r["pp"] for r in runs)), squeeze=False,
+                                  sharex=True)
+    longest = max(1e3 * end for run in runs for timeline in run["ranks"] for *_, end in timeline)
+    seen = set()
     for axes, run in zip(panels[:, 0], runs, strict=True):
-        seen = set()
+        length = max(end for timeline in run["ranks"] for *_, end in timeline)
+        waits = []
         for rank, timeline in enumerate(run["ranks"]):
-            for stage, kind, start, end in timeline:
+            for stage, kind, micro, start, end in timeline:
                 axes.barh(rank, 1e3 * (end - start), left=1e3 * start, color=KINDS[kind][1], edgecolor="white",
+                          hatch="//" if stage >= run["pp"] else None,
                           label=KINDS[kind][0] if kind not in seen else None)
-                axes.text(1e3 * (start + end) / 2, rank, str(stage), ha="center", va="center", fontsize=6,
-                          color="white")
                 seen.add(kind)
+                if 1e3 * (end - start) > longest / 60:
+                    axes.text(1e3 * (start + end) / 2, rank, str(micro), ha="center", va="center", fontsize=6,
+                              color="white")
+            waits.append(1 - sum(end - start for *_, start, end in timeline) / length)
         axes.set_yticks(range(run["pp"]), [f"rank {r}" for r in range(run["pp"])])
         axes.invert_yaxis()
-        axes.set_title(f"{run['schedule']}: pp {run['pp']}, {run['micro_batches']} micro-batches (each bar: a stage "
-                       "at work, its number on it)", fontsize=9)
-        axes.legend(fontsize="x-small", loc="lower right")
-    panels[-1, 0].set_xlabel("ms into the step")
+        axes.set_title(f"{run['schedule']}: pp {run['pp']}, {run['micro_batches']} micro-batches; each rank waited "
+                       f"{', '.join(f'{w:.0%}' for w in waits)} of this step", fontsize=9)
+        axes.set_xlabel("ms into the step", fontsize=8)
     figure.tight_layout()
+    figure.legend(loc="upper center", ncol=4, fontsize="small", bbox_to_anchor=(0.5, 0.0),
+                  title="each bar: one micro-batch (its number) on one stage; hatched: a rank's second stage",
+                  title_fontsize="small")
     figure.savefig(path, dpi=120, bbox_inches="tight")
     return figure
 
@@ -126,7 +137,7 @@ def main() -> None:
         for file in args.pipeline:
             try:
                 with open(file) as f:
-                    json.load(f)["ranks"][0][0][3]
+                    json.load(f)["ranks"][0][0][4]
             except (OSError, ValueError, LookupError, TypeError):
                 parser.error(f"{file}: not the pp_timeline.json of a train.py --pp run")
         plot_pipeline(args.pipeline, args.out)

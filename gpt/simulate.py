@@ -129,7 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                     "ranks / --tp,\n8 GPUs a node when simulated)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel ranks, innermost, as train.py's")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages, outermost, as train.py's")
-    p.add_argument("--pp_schedule", choices=pipeline.SCHEDULES, default="1F1B", help="as train.py's")
+    p.add_argument("--pp_schedule", choices=pipeline.SCHEDULES, default="1F1B", help="as train.py's (default 1F1B)")
     p.add_argument("--grad_accum", type=int, default=1, help="micro-batches a step (the pipeline's)")
     p.add_argument("--batch_size", type=int, default=1, help="sequences per data-parallel rank per micro-batch")
     p.add_argument("--seq_len", type=int, default=1024, help="tokens per sequence")
@@ -150,7 +150,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.ranks and args.shard_size is None and args.parallel == "hsdp":
         args.shard_size = max(1, min(8, args.ranks) // args.tp)  # a node of 8 GPUs (under torchrun: the real node's)
     if (args.ranks is None) == ("RANK" not in os.environ):
-        p.error("give --ranks to simulate, or start under torchrun to count a real run, not both")
+        p.error("give --ranks to simulate, or start under torchrun to count a real run: one of the two")
     if args.ranks and args.pp > 1:  # torch's schedules vote with .item() and send their shapes first: real values
         p.error("--pp is counted under torchrun only: torch's schedules start with an exchange of real values, "
                 "which a fake process group cannot give")

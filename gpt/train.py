@@ -6,7 +6,8 @@
     python gpt/train.py --model tiny --grad_accum 2 --out_dir out/one         # the same, one process
 
 Steps, not epochs: the batch of step s is drawn from (--seed, s) and split among the ranks, so the
-run is the same at any world size with the same global batch (--batch_size × --grad_accum × ranks),
+run is the same at any world size with the same global batch (--batch_size × --grad_accum × ranks,
+a tp group or a pipeline counting once),
 and the tests show it. Every --log_every steps rank 0 prints one line and appends it to
 OUT_DIR/metrics.jsonl; every --eval_every steps every rank evaluates its share of a fixed
 validation set. The whole story, and how to run it on 8 GPUs or several nodes: docs/gpt_job.md.
@@ -78,14 +79,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                     "once\n(default: a node's ranks / --tp)")
     p.add_argument("--tp", type=int, default=1, help="fsdp, hsdp: tensor parallel over groups of this many "
                                                       "neighbouring ranks,\nwhich read the same batch (1: none)")
-    p.add_argument("--pp", type=int, default=1, help="fsdp, hsdp: pipeline parallel over this many stages (ranks "
-                                                      "far apart), which read the same\nbatch in --grad_accum "
-                                                      "micro-batches (1: none)")
-    p.add_argument("--pp_schedule", choices=pipeline.SCHEDULES, default="1F1B",
-                   help="--pp's schedule, torch.distributed.pipelining's; Interleaved1F1B, LoopedBFS,\n"
-                        "InterleavedZeroBubble, ZBVZeroBubble and DualPipeV hold two stages per rank")
+    p.add_argument("--pp", type=int, default=1, help="fsdp, hsdp: pipeline parallel over this many ranks (far "
+                                                      "apart), which read the same\nbatch in --grad_accum "
+                                                      "micro-batches (1F1B: at least --pp of them; 1: none)")
+    p.add_argument("--pp_schedule", choices=pipeline.SCHEDULES,
+                   help="--pp's schedule, torch.distributed.pipelining's (default 1F1B); Interleaved1F1B,\n"
+                        "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble and DualPipeV hold two stages per rank")
     p.add_argument("--max_steps", type=int, default=300, help="optimizer steps in the whole run")
-    p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per micro-step")
+    p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per micro-step (a tp group or a "
+                                                              "pipeline counting once)")
     p.add_argument("--grad_accum", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--seq_len", type=int, default=64, help="tokens per sequence")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate, after warmup")
@@ -137,6 +139,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--shard_size is for --parallel hsdp, and must be at least 1")
     if args.tp < 1 or args.pp < 1:
         p.error("--tp and --pp must be at least 1")
+    if args.pp_schedule and args.pp == 1:
+        p.error("--pp_schedule is for --pp above 1")
+    args.pp_schedule = args.pp_schedule or ("1F1B" if args.pp > 1 else None)  # None: no pipeline, in the checkpoint
     if args.pp > 1 and args.parallel == "ddp":
         p.error(f"--pp {args.pp} needs --parallel fsdp or hsdp (pp alone: --parallel fsdp --pp N on N ranks)")
     if args.pp > 1 and args.precision == "fp16":  # the schedule runs each backward: no GradScaler can scale it

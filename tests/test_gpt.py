@@ -4,7 +4,10 @@ the floor; text files and nanoGPT folders load; metrics.jsonl holds what the lin
 The runs go through tests/harness.torchrun_in_process: each rank's main() in a forked worker with
 torchrun's variables, the same code path as `torchrun --standalone --nproc-per-node N gpt/train.py`.
 """
+import argparse
+import contextlib
 import functools
+import io
 import json
 import math
 import os
@@ -189,6 +192,36 @@ def test_every_kind_of_schedule_trains_what_one_process_trains(nproc, schedule):
     assert_same_training(reference, pipelined, f"pp {nproc} with {schedule}")
 
 
+def test_the_micro_batch_rules_refuse_exactly_what_torchs_schedules_refuse():
+    """pipeline.check, which refuses before anything is written, against torch's own schedule classes built on
+    mock stages (torch's private _schedule_visualizer.get_schedule_ops): every schedule, 2 and 4 pipeline ranks,
+    1, 2, 3, 5 and 8 micro-batches (fewer than the stages, and not a multiple of the interleaved ones' rounds);
+    check() refuses exactly what the schedule's constructor raises a ValueError for (the same from 2 to 4 ranks
+    and 1 to 9 micro-batches, by hand)."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    pipeline = import_gpt_train().pipeline
+    config = GPTConfig(vocab_size=64, seq_len=32, n_layer=8, n_head=2, n_embd=64)  # blocks for every stage
+    differ = []
+    for schedule in pipeline.SCHEDULES:
+        for pp in (2, 4):
+            for micro_batches in (1, 2, 3, 5, 8):
+                try:
+                    with contextlib.redirect_stdout(io.StringIO()):  # it prints its schedule
+                        get_schedule_ops(schedule, pp, micro_batches)
+                    torch_runs = True
+                except ValueError:
+                    torch_runs = False
+                args = argparse.Namespace(pp=pp, pp_schedule=schedule, grad_accum=micro_batches, model="x")
+                try:
+                    pipeline.check(args, config)
+                    we_run = True
+                except ValueError:
+                    we_run = False
+                if torch_runs != we_run:
+                    differ.append((schedule, pp, micro_batches, torch_runs))
+    assert not differ
+
+
 @pytest.mark.parametrize("mutant", ["gpt_pp_untied.py", "gpt_pp_scaled_twice.py"])
 def test_the_pipeline_proof_fails_with_the_tied_gradients_not_added_or_the_micro_batches_divided_twice(mutant):
     """Two mutants of pp 2: the embedding's and the head's gradients each left to its own stage, and a loss that
@@ -322,6 +355,7 @@ def test_every_documented_gpt_command_passes_options_train_py_accepts():
     (["--pp", "2"], "error: --pp 2 needs --parallel fsdp or hsdp"),
     (["--parallel", "fsdp", "--pp", "2", "--precision", "fp16"], "error: --pp 2 runs in fp32 or bf16"),
     (["--parallel", "fsdp", "--pp", "2", "--pp_schedule", "ZeroBubble"], "invalid choice: 'ZeroBubble'"),
+    (["--pp_schedule", "GPipe"], "--pp_schedule is for --pp above 1"),
 ])
 def test_bad_input_gets_one_line_and_a_non_zero_exit(argv, error, text_file):
     names = {"text": text_file, "folder": text_file.parent}
@@ -338,8 +372,8 @@ def test_bad_input_gets_one_line_and_a_non_zero_exit(argv, error, text_file):
     (2, ["--pp", "2", "--pp_schedule", "Interleaved1F1B"], "--pp 2 with --pp_schedule Interleaved1F1B cuts the "
                                                              "model into 4 stages of at least one block, and --model "
                                                              "tiny has 2"),
-    (2, ["--pp", "2", "--grad_accum", "1"], "--pp_schedule 1F1B on 2 stages runs at least 2 micro-batches: "
-                                             "--grad_accum 1 is too few"),
+    (2, ["--pp", "2", "--grad_accum", "1"], "--pp_schedule 1F1B at --pp 2 (2 stages, 1 a rank) runs at least 2 "
+                                             "micro-batches: --grad_accum 1 is too few"),
     (3, ["--pp", "2"], "--pp 2 × --tp 1 does not divide the 3 ranks")],
     ids=["heads", "vocab", "seq", "pp-blocks", "pp-micro-batches", "pp-ranks"])
 def test_a_layout_that_does_not_divide_the_model_or_the_ranks_is_one_line_and_nothing_is_written(nproc, argv, error,

@@ -148,6 +148,29 @@ def test_a_tp_or_pp_checkpoint_resumes_in_the_other_layouts(source, ranks, layou
     assert [r["lr"] for r in logged] == [r["lr"] for r in reference]
 
 
+def test_a_checkpoint_resumed_in_a_v_keeps_the_tied_matrix_one(tmp_path):
+    """One process's step 4 of the mini model (4 blocks) resumed at pp 2 under DualPipeV, whose rank 0 holds the
+    first stage and the last: the embedding and the head, each given the tied matrix's saved moments, stay two
+    copies of one matrix, equal bit for bit (not two optimizers stepping one shared state), and the run ends
+    within 1e-5 of one process's."""
+    argv = ["--model", "mini", "--max_steps", "8", "--save_every", "4", "--log_every", "1", "--eval_every", "100",
+            "--seq_len", "32", "--val_tokens", "512", "--warmup_steps", "4", "--batch_size", "2", "--grad_accum", "4",
+            "--export", "model.pt"]
+    (tmp_path / "one").mkdir()
+    one = torchrun_in_process(1, TRAIN, *argv, cwd=tmp_path / "one", timeout=90)
+    assert one.codes == [0], one.stderr
+    shutil.copytree(tmp_path / "one" / "out" / "step_00000004", tmp_path / "pp" / "out" / "step_00000004")
+    pp = torchrun_in_process(2, TRAIN, *argv, "--parallel", "fsdp", "--pp", "2", "--pp_schedule", "DualPipeV",
+                             cwd=tmp_path / "pp", timeout=90)
+    assert pp.codes == [0, 0], pp.stderr
+    assert "resuming from out/step_00000004: step 4 of 8" in pp.stdouts[0]
+    exported = torch.load(tmp_path / "pp" / "model.pt", weights_only=True)["model"]
+    assert torch.equal(exported["wte.weight"], exported["lm_head.weight"])
+    reference = weights(tmp_path / "one" / "model.pt")
+    for name, value in weights(tmp_path / "pp" / "model.pt").items():
+        torch.testing.assert_close(value, reference[name], rtol=0, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize(("ranks", "layout"), [
     (8, [*split(4), "--parallel", "hsdp", "--shard_size", "2", "--tp", "2"]),
     (4, PP)], ids=["hsdp 2 × 2 × tp 2", "pp 2 × fsdp 2"])
