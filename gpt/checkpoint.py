@@ -212,8 +212,16 @@ class Checkpoints:
 
     def load(self, folder: str, state: dict) -> None:
         """Read the checkpoint into `state` in place: DCP reads the pieces of each tensor that this
-        rank holds, whatever the world size or layout that wrote it."""
-        dcp.load(state, checkpoint_id=folder, process_group=self.group)
+        rank holds, whatever the world size or layout that wrote it. A checkpoint without a name this run
+        loads (an older train.py's, which saved the optimizer's state nested, not by name) is one line."""
+        try:
+            dcp.load(state, checkpoint_id=folder, process_group=self.group)
+        except (RuntimeError, CheckpointException) as error:  # DCP's planner: "Missing key in checkpoint state_dict"
+            said = reason(error, self.rank)
+            if "Missing key in checkpoint" not in said:
+                raise
+            raise ValueError(f"checkpoint {folder}: {said}; written by an older train.py or another program: move "
+                             "the folder aside to start afresh, or resume it with the train.py that wrote it") from None
 
     def close(self) -> None:
         self.wait()

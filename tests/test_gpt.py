@@ -551,7 +551,7 @@ def test_bench_prints_each_schedules_wait_beside_its_formula_and_the_micro_batch
     stage s, ZB-V 2p - s (stage s of 2p, each backward ending with the weights'). Then plot.py --pipeline draws
     their timelines, one bar per stage's piece of work."""
     result = run([sys.executable, str(REPO / "gpt" / "bench.py"), "--world_sizes", "2", "--repeats", "1", "--pp",
-                  "1F1B", "ZBVZeroBubble", "--timelines", str(tmp_path), "--", "--max_steps", "6",
+                  "1F1B", "ZBVZeroBubble", "--timelines", str(tmp_path), "--", "--max_steps", "4",
                   "--log_every", "2", "--grad_accum", "4", "--batch_size", "2"], timeout=180)
     assert result.returncode == 0, result.stderr
     rows = {name: (waits, formula, held) for name, waits, formula, held in re.findall(
