@@ -218,6 +218,8 @@ def main() -> None:
     args = parser.parse_args()
     if any(n < 1 for n in args.world_sizes) or args.repeats < 1 or (args.save_every or 1) < 1:
         parser.error("--world_sizes, --repeats and --save_every must be at least 1")
+    if args.pp and args.world_sizes[-1] < 2:
+        parser.error("--pp runs one pipeline over the last of --world_sizes: it must be 2 or more")
     if args.stop_worker:
         return stop_worker(args.stop_worker, args.repeats)
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args

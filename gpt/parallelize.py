@@ -143,7 +143,7 @@ def tensor_parallel(model: GPT | pipeline.Stage, mesh: DeviceMesh) -> None:
         "ln_f": tp.SequenceParallel(),
         "lm_head": tp.ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     }.items() if hasattr(model, name)})  # a pipeline's stage: what it holds
-    if not isinstance(model, GPT):  # a stage: its head's logits go to pipeline.Loss, under loss_parallel
+    if not isinstance(model, GPT):  # a stage: its head's logits go to pipeline.loss, under loss_parallel
         return
     model.lm_head.weight = model.wte.weight  # parallelize_module made the tied matrix two: one again
     head_loss = model.head_loss

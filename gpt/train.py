@@ -233,8 +233,8 @@ def evaluate(model: torch.nn.Module | pipeline.Pipeline, tokens: data.Tokens, st
     losses in float64, and one all-reduce adds the sums and the counts (a tp group's, once per rank: the
     mean is the same). Every rank runs the same number of forwards, one with
     nothing to count where its share runs out first: under FSDP each forward all-gathers weights. A pipeline
-    runs a step's micro-batches at once, each of the training's shape, padding's targets -100 (not counted):
-    the last stage counts."""
+    takes a step's worth of windows at a time, in micro-batches of the training's shape, the last chunk padded
+    with targets -100 (not counted); its last stage counts."""
     pipe = model if isinstance(model, pipeline.Pipeline) else None
     model.eval()
     mine = starts[dp_rank::dp_size]
@@ -646,7 +646,7 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
                     record["mfu"] = tokens_per_s * flops_per_token / (world_size * peak)
                     line += f" | mfu {record['mfu']:.1%}"
                 if pipe:  # each stage's share of step() spent waiting, the most micro-batches it held: pipeline.py
-                    stages = pipe.report()
+                    stages = pipe.report()  # every rank (a gather over its pipeline); a host sync, as .item() above
                     record["pp_wait"] = [round(r["wait"], 4) for r in stages]
                     record["pp_held"] = {s: n for r in stages for s, n in r["held"].items()}
                     line += " | pp wait " + " ".join(f"{r['wait']:.0%}" for r in stages)

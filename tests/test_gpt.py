@@ -568,6 +568,9 @@ def test_bench_prints_each_schedules_wait_beside_its_formula_and_the_micro_batch
     timelines = [json.loads(Path(f).read_text()) for f in files]
     pieces = [sum(len(rank) for rank in t["ranks"]) for t in timelines]
     assert pieces == [2 * 2 * 4, 3 * 4 * 4]  # 1F1B: F and B per micro-batch and stage; ZB-V: F, I, W on 4 stages
+    alone = run([sys.executable, str(REPO / "gpt" / "bench.py"), "--world_sizes", "1", "--pp", "1F1B"], timeout=60)
+    assert alone.returncode == 2 and alone.stderr.splitlines()[-1] == "bench.py: error: --pp runs one pipeline over " \
+        "the last of --world_sizes: it must be 2 or more", alone.stderr
 
 
 def test_bench_prints_what_saving_costs_and_compares_a_resumed_run_with_a_fresh_one():
