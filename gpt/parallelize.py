@@ -95,9 +95,12 @@ def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespac
             tensor_parallel(part, mesh["tp"])  # FSDP then shards each tp shard again, over the data-parallel ranks
         # One all-gather per block, freed after use; under the schedules that split each backward in two (torch
         # 2.13), the last stage's blocks so sharded lose their weights' gradients (None, measured): one per stage.
+        # Under --pp, kept gathered from the first micro-batch's forward to the step's end (torchtitan's default
+        # there): freed after each forward, a block is gathered again for every micro-batch (m + 1 a step, not 1).
+        keep = {"reshard_after_forward": False} if ids else {}  # else torch's default: True (the root's, False)
         for block in blocks(part) if args.pp_schedule not in pipeline.SPLIT_BACKWARD or args.pp == 1 else []:
-            fully_shard(block, mesh=dp_mesh, mp_policy=policy)
-        fully_shard(part, mesh=dp_mesh, mp_policy=policy)  # the rest: embeddings, final norm, tied head
+            fully_shard(block, mesh=dp_mesh, mp_policy=policy, **keep)
+        fully_shard(part, mesh=dp_mesh, mp_policy=policy, **keep)  # the rest: embeddings, final norm, tied head
         part.to_empty(device=device)
     if init:
         generator = torch.Generator().manual_seed(args.seed)

@@ -24,6 +24,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.pipelining._utils import InferenceMode, _StageMeta, extract_tensor_metas
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -104,6 +105,8 @@ def one_step(args: argparse.Namespace, world_size: int, device: torch.device, fa
     counted = Collectives(mesh)
     if isinstance(model, pipeline.Pipeline) and model.tie_group is not None:  # the tied matrix's pair: pp ranks
         counted.dims[model.tie_group.group_name] = "pp"
+    if isinstance(model, pipeline.Pipeline):
+        static_shapes(model, args, fake)
     with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(), counted:
         x, y = torch.randint(args.vocab_size, (2, args.batch_size * args.grad_accum, args.seq_len), device=device)
         if isinstance(model, pipeline.Pipeline):
@@ -119,6 +122,27 @@ def one_step(args: argparse.Namespace, world_size: int, device: torch.device, fa
     wire = {dim: round(sum(total * WIRE[kind](counted.sizes.get(dim, world_size))  # what it sends, in a ring
                            for kind, (_, total) in kinds.items())) for dim, kinds in sent.items()}
     return {"mesh": dict(counted.sizes), "held": bytes_held, "sent": sent, "wire": wire}
+
+
+def static_shapes(pipe: pipeline.Pipeline, args: argparse.Namespace, fake: bool) -> None:
+    """Each stage's input and output shapes given up front, as PipelineStage's input_args and output_args would:
+    without them, a schedule's first step learns them by running a micro-batch's forward and backward more and
+    sending them on (send_object_list), which a fake process group cannot (its results are garbage), and which
+    is not a step's traffic (train.py's first step does it, once). Simulated, also the vote on whether shapes
+    were given: the stages' 0s and 1s multiplied along the pipeline and read with .item(), which a fake tensor
+    has no value for. Private in torch 2.13 (torch/distributed/pipelining/stage.py: _user_meta, _inference_mode)."""
+    shape, dtype, _ = pipe.activation
+    activation = torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
+    tokens = torch.empty(shape[:1] + (args.seq_len,), dtype=torch.long, device="meta")
+    for stage in pipe.stages:  # the last stage's output (the logits) goes to the loss, not to a stage: any shape
+        stage._user_meta = _StageMeta(inputs=extract_tensor_metas((tokens if stage.is_first else activation,)),
+                                      outputs=extract_tensor_metas((activation,)))
+
+    def no_vote(stages: list, has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+    if fake:
+        pipe.schedule._warmup_p2p = no_vote
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -151,9 +175,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.shard_size = max(1, min(8, args.ranks) // args.tp)  # a node of 8 GPUs (under torchrun: the real node's)
     if (args.ranks is None) == ("RANK" not in os.environ):
         p.error("give --ranks to simulate, or start under torchrun to count a real run: one of the two")
-    if args.ranks and args.pp > 1:  # torch's schedules vote with .item() and send their shapes first: real values
-        p.error("--pp is counted under torchrun only: torch's schedules start with an exchange of real values, "
-                "which a fake process group cannot give")
     if args.pp > 1 and args.parallel == "ddp":
         p.error(f"--pp {args.pp} needs --parallel fsdp or hsdp, as in train.py")
     if args.ranks and args.parallel == "ddp":  # and DDP's reducer fails on the fake group's results

@@ -40,26 +40,39 @@ def test_the_simulation_counts_what_a_real_run_sends():
     assert counted == simulated(ranks, *TINY, *layout, "--every_rank")
 
 
-def test_a_pipelines_sends_and_its_tied_matrix_are_counted_in_a_real_run():
-    """pp 2 × fsdp 2, 3 micro-batches of 2 × 32 tokens (4 real ranks; a fake process group cannot run torch's
-    schedules): each stage holds its half of the model, sharded in two, and on the pp dimension sends 3
-    activations (stage 0, forward) or 3 gradients (stage 1, backward) of 2 × 32 × 64 floats, receives as many,
-    and all-reduces twice: its shard of the tied matrix's gradient, and the clipping norm's square."""
-    real = torchrun_in_process(4, SIMULATE, *TINY, "--parallel", "fsdp", "--pp", "2", "--grad_accum", "3", "--json",
-                               timeout=120)
-    assert real.codes == [0] * 4, real.stderr
+def test_a_pipeline_is_simulated_as_a_real_run_counts_it_and_as_the_formulas_say():
+    """pp 3 × fsdp 2, the mini GPT (4 blocks: stages of 2, 1 and 1), 3 micro-batches of 2 × 32 tokens: 6 real ranks
+    on gloo, and each simulated (every stage's shapes given up front), count the same, rank by rank. On the pp
+    dimension, each stage sends each micro-batch's activation forward and its gradient back (2 × 32 × 128 floats)
+    to its neighbours; the first and the last all-reduce their shards of the tied matrix's gradient, every stage
+    the clipping norm's square. Within a stage, FSDP gathers each block and the stage's other parameters once a
+    step (kept from the first forward to the step's end), and reduce-scatters their gradients once."""
+    argv = ["--model", "mini", "--vocab_size", "64", "--seq_len", "32", "--batch_size", "2", "--parallel", "fsdp",
+            "--pp", "3", "--grad_accum", "3"]
+    real = torchrun_in_process(6, SIMULATE, *argv, "--json", timeout=120)
+    assert real.codes == [0] * 6, real.stderr
     counted = json.loads(real.stdouts[0])
-    config = GPTConfig(vocab_size=64, seq_len=32, **CONFIGS["tiny"])
-    params = shapes(config)
-    stages = [[n for n in params if not n.startswith(("blocks.1", "ln_f"))],
-              [n for n in params if n.startswith(("blocks.1", "ln_f", "wte"))]]  # the head: wte's copy
-    activation = 2 * 32 * 64 * 4
+    assert counted == simulated(6, *argv, "--every_rank")
+    params = shapes(GPTConfig(vocab_size=64, seq_len=32, **CONFIGS["mini"]))
+    stages = [[n for n in params if n.startswith(("wte", "wpe", "blocks.0.", "blocks.1."))],
+              [n for n in params if n.startswith("blocks.2.")],
+              [n for n in params if n.startswith(("blocks.3.", "ln_f", "wte"))]]  # the head: wte's copy
+    activation, m = 2 * 32 * 128 * 4, 3
     for rank, figures in enumerate(counted):
-        stage = rank // 2  # pp outermost: ranks 0, 1 hold stage 0
-        assert figures["mesh"] == {"pp": 2, "shard": 2}
-        assert figures["held"]["parameters"] == sum(params[n] for n in stages[stage]) * 4 // 2
-        assert figures["sent"]["pp"] == {"send": [3, 3 * activation], "recv": [3, 3 * activation],
-                                         "all-reduce": [2, params["wte.weight"] * 4 // 2 + 4]}, rank
+        stage = rank // 2  # pp outermost: ranks 0 and 1 hold stage 0
+        whole = 4 * sum(params[n] for n in stages[stage])
+        assert figures["mesh"] == {"pp": 3, "shard": 2}
+        assert figures["held"]["parameters"] == whole // 2
+        neighbours = (stage > 0) + (stage < 2)
+        tied = [1, params["wte.weight"] * 4 // 2] if stage in (0, 2) else [0, 0]
+        assert figures["sent"]["pp"] == {"send": [neighbours * m, neighbours * m * activation],
+                                         "recv": [neighbours * m, neighbours * m * activation],
+                                         "all-reduce": [tied[0] + 1, tied[1] + 4]}, rank
+        rest = any(not n.startswith("blocks.") for n in stages[stage])  # embeddings, norm, head: none in the middle
+        groups = len([n for n in stages[stage] if n.endswith("ln_1.weight")]) + rest  # each block, and the rest
+        clipped = len(stages[stage]) - (stage == 2)  # the head's copy of the tied matrix is counted once, on wte
+        assert figures["sent"]["shard"] == {"all-gather": [groups, whole], "reduce-scatter": [groups, whole],
+                                            "all-reduce": [1, 4 * clipped]}, rank
 
 
 def split_by_tp(name: str) -> bool:
@@ -133,10 +146,24 @@ def test_gpt2_at_1024_ranks_is_simulated_and_still_equals_the_formulas():
     assert figures["sent"] == sent
 
 
+def test_a_pipeline_at_1024_ranks_is_simulated_and_equals_the_formulas():
+    """GPT-2 124M on pp 4 × fsdp 64 × tp 4, 4 micro-batches of one sequence. Rank 0 holds the first stage (the
+    embeddings and 3 blocks): it sends each micro-batch's activation (1024 / 4 tokens under sequence parallel,
+    × 768) to stage 1 and receives its gradient back; all-reduces its shard of the tied matrix with the last stage
+    (tp's 50304 / 4 rows, then FSDP's chunk of them: the first ranks' chunks round up) and the clipping norm's
+    square; FSDP gathers each of its 4 groups once in the step."""
+    (figures,) = simulated(1024, "--model", "gpt2", "--parallel", "fsdp", "--tp", "4", "--pp", "4", "--batch_size",
+                           "1", "--grad_accum", "4")
+    assert figures["mesh"] == {"pp": 4, "shard": 64, "tp": 4}
+    activation, rows = 1024 // 4 * 768 * 4, math.ceil(50304 // 4 / 64)
+    assert figures["sent"]["pp"] == {"send": [4, 4 * activation], "recv": [4, 4 * activation],
+                                     "all-reduce": [2, rows * 768 * 4 + 4]}
+    assert figures["sent"]["shard"]["all-gather"][0] == 3 + 1
+
+
 @pytest.mark.parametrize(("argv", "error"), [
     (["--ranks", "1024", "--model", "gpt2", "--tp", "8"], "error: --tp 8 does not divide the model's n_head, 12"),
-    (["--ranks", "2", "--parallel", "ddp"], "ddp holds the whole model on every rank"),
-    (["--ranks", "4", "--pp", "2"], "--pp is counted under torchrun only")])
+    (["--ranks", "2", "--parallel", "ddp"], "ddp holds the whole model on every rank")])
 def test_a_layout_that_cannot_be_built_is_one_line(argv, error):
     result = run([sys.executable, SIMULATE, *argv], timeout=60)
     assert result.returncode != 0 and error in result.stderr, result.stderr
