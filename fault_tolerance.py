@@ -1,0 +1,221 @@
+"""Keep training when a replica dies: per-step fault tolerance with torchft, on a CPU (docs/fault_tolerance.md).
+
+singlenode_cpu.py's model and data, trained by replica groups that torchft coordinates: a lighthouse decides,
+step by step, which replicas are alive (the quorum); each replica's Manager averages the gradients over those
+alone and takes the step only where that all-reduce went through; a replica that comes back heals, copying
+the weights and the optimizer's state from a live peer, and trains on. Nobody stops for it.
+
+    python fault_tolerance.py --replicas 2 --steps 60 --kill 1:10   # replica 1 dies at step 10, comes back
+    python fault_tolerance.py --replicas 3 --steps 12 --diloco 4    # DiLoCo: all-reduces every 4th step only
+
+This process starts the lighthouse (loopback, a free port) and a process per replica group, starts a killed
+one again, and stops them all at the end. On a cluster: `torchft_lighthouse --min_replicas 1` on one host, and
+each group a torchrun job (FSDP inside) running this script with --replica_id and --lighthouse.
+"""
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from data import make_datasets
+from model import build_model
+
+os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers (Rust) log every quorum at info
+try:
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.coordination import LighthouseServer
+    from torchft.local_sgd import DiLoCo
+    from torchft.optim import OptimizerWrapper
+except ImportError:
+    sys.exit("error: torchft is not installed: pip install -r requirements-torchft.txt")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--replicas", type=int, default=2, help="replica groups (a process each here)")
+    p.add_argument("--steps", type=int, default=60, help="steps to train (committed ones)")
+    p.add_argument("--batch_size", type=int, default=32, help="samples per replica per step")
+    p.add_argument("--lr", type=float, default=0.005, help="Adam's learning rate (DiLoCo: the inner optimizer's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and of each step's batch")
+    p.add_argument("--kill", help="R:S: replica R SIGKILLs itself as step S starts, and is started again; "
+                                  "R:S:mid: in step S, after its quorum, before its all-reduce")
+    p.add_argument("--step_time", type=float, default=0.1, help="seconds each step also sleeps, as if computing: "
+                                                                 "time for a restarted replica to come back")
+    p.add_argument("--diloco", type=int, metavar="H", help="DiLoCo: H local steps, then an outer step")
+    p.add_argument("--out_dir", help="each replica saves its final weights here, replica_R.pt")
+    p.add_argument("--lighthouse_port", type=int, default=0, help="the lighthouse's port (default: a free one)")
+    p.add_argument("--replica_id", type=int, help="be replica R alone, joining --lighthouse")
+    p.add_argument("--lighthouse", help="a running lighthouse's address, http://HOST:PORT")
+    p.add_argument("--barrier", type=int, help=argparse.SUPPRESS)  # the launcher's store: wait for every replica
+    p.add_argument("--restarted", action="store_true", help=argparse.SUPPRESS)  # started again after --kill
+    args = p.parse_args()
+    if min(args.replicas, args.steps, args.batch_size, args.diloco or 1) < 1 or args.diloco and args.kill:
+        p.error("--replicas, --steps, --batch_size and --diloco must be at least 1; --kill is not for --diloco")
+    if (args.replica_id is None) != (args.lighthouse is None):
+        p.error("--replica_id and --lighthouse go together: one replica, joining a running lighthouse")
+    if args.replica_id is not None and not 0 <= args.replica_id < args.replicas:
+        p.error(f"--replica_id {args.replica_id} is out of range: --replicas {args.replicas} are 0 to "
+                f"{args.replicas - 1}")
+    if args.kill:
+        r, step, *mid = args.kill.split(":")
+        if not (r.isdigit() and step.isdigit() and int(r) < args.replicas and 0 < int(step) < args.steps
+                and mid in ([], ["mid"])):
+            p.error(f"--kill must be R:S or R:S:mid, R below {args.replicas}, S from 1 to {args.steps - 1}")
+        args.kill = (int(r), int(step), "mid" if mid else "start")
+    return args
+
+
+def batch(train_set, step: int, replica: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replica `replica`'s share of step `step`'s global batch, whatever happened before that step."""
+    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(args.seed * 100003 + step))
+    return train_set[order[replica * args.batch_size:(replica + 1) * args.batch_size]]
+
+
+def say(line: str) -> None:
+    """A line in one write: the replicas share the launcher's output, where print's two writes (the text, then
+    the newline; unbuffered, as under PYTHONUNBUFFERED) could be split by another process's."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def checksum(model: torch.nn.Module) -> str:  # the weights' sum, printed: equal weights print equal sums
+    return f"{sum(p.double().sum().item() for p in model.parameters()):.12f}"
+
+
+def average_gradients(model: torch.nn.Module, manager: Manager) -> None:
+    """The gradients, in one flat tensor, averaged over this step's quorum by Manager.allreduce (summed over the
+    replicas taking part, divided by their number). A peer dying during it is an error the Manager keeps for
+    should_commit, not an exception. Not torchft's DistributedDataParallel: in torchft 0.2.0 its comm hook
+    raises AssertionError when a peer dies mid-all-reduce (torchft/ddp.py, `assert fut._fut`)."""
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.flatten() for g in grads])
+    manager.allreduce(flat).wait()
+    for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(part.view_as(g))
+
+
+def crash(args: argparse.Namespace, step: int, moment: str) -> None:
+    """The failure this lesson injects (--kill): a SIGKILL, no exception, no goodbye; not again once restarted."""
+    if args.kill == (args.replica_id, step, moment) and not args.restarted:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def replica(args: argparse.Namespace) -> None:
+    """One replica group: a store of its own, a Manager in the lighthouse's quorum, and the training loop."""
+    torch.manual_seed(args.seed)  # every replica starts from the same weights (else init_sync=True copies them)
+    model, r = build_model(), args.replica_id
+    inner = torch.optim.Adam(model.parameters(), lr=args.lr)
+    train_set, _ = make_datasets(4096, 1)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # this group's (torchrun's)
+    try:
+        manager = Manager(
+            pg=ProcessGroupGloo(timeout=timedelta(seconds=5)), min_replica_size=1, replica_id=f"replica_{r}",
+            state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},  # what a peer heals from
+            load_state_dict=lambda s: (model.load_state_dict(s["model"]), inner.load_state_dict(s["optim"])),
+            lighthouse_addr=args.lighthouse, hostname="127.0.0.1", store_addr="127.0.0.1", store_port=store.port,
+            rank=0, world_size=1, init_sync=False, use_async_quorum=args.diloco is None,
+            timeout=timedelta(seconds=10), connect_timeout=timedelta(seconds=5))
+    except RuntimeError as error:  # torchft's servers say why in the first line: no lighthouse there, say
+        sys.exit(f"error: replica {r}: {str(error).splitlines()[0]}")
+    def counting(*a, allreduce=manager.allreduce, **k):  # the Manager's all-reduces, counted
+        counted[0] += 1
+        return allreduce(*a, **k)
+    counted, manager.allreduce = [0], counting
+    if args.barrier and not args.restarted:  # every replica's Manager up (heartbeating): step 0's quorum has all
+        barrier = dist.TCPStore("127.0.0.1", args.barrier, is_master=False)
+        barrier.add("ready", 1)
+        while barrier.add("ready", 0) < args.replicas:
+            time.sleep(0.01)
+    (diloco if args.diloco else per_step)(args, model, inner, manager, counted, train_set)
+    if args.out_dir:
+        torch.save(model.state_dict(), os.path.join(args.out_dir, f"replica_{r}.pt"))
+    manager.shutdown(wait=False)
+
+
+def per_step(args: argparse.Namespace, model, inner, manager: Manager, counted: list, train_set) -> None:
+    """torchft's per-step fault tolerance: a quorum every step, the gradients averaged over it, a step committed
+    only where all of it succeeded."""
+    optimizer, first, r = OptimizerWrapper(manager, inner), True, args.replica_id
+    while manager.current_step() < args.steps:
+        crash(args, manager.current_step(), "start")
+        before = counted[0]
+        optimizer.zero_grad()  # starts this step's quorum: which replicas take part
+        manager.wait_quorum()  # (else it runs beside the forward; waited for here, to print its step)
+        step = manager.current_step()  # a replica that came back: the others' step (it heals from one of them)
+        crash(args, step, "mid")
+        x, y = batch(train_set, step, r, args)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        average_gradients(model, manager)
+        optimizer.step()  # only if should_commit: no error in the all-reduce (a dead peer's fails on all)
+        time.sleep(args.step_time)
+        say(f"replica {r} step {step}: {manager.num_participants()} replicas, all-reduces {counted[0] - before}, "
+            f"{'committed' if manager.current_step() > step else 'not committed'}"
+            f"{', healed from a peer' if args.restarted and first else ''}, loss {loss.item():.4f}, "
+            f"weights {checksum(model)}")
+        first = False
+
+
+def diloco(args: argparse.Namespace, model, inner, manager: Manager, counted: list, train_set) -> None:
+    """DiLoCo: each replica takes --diloco H steps of its own (Adam), then the replicas all-reduce each tensor's
+    change since the last outer step and apply its average with an outer optimizer (the paper's Nesterov SGD)."""
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    with DiLoCo(manager, [model], inner, outer, sync_every=args.diloco):
+        for step in range(args.steps):
+            before = counted[0]
+            inner.zero_grad()
+            x, y = batch(train_set, step, args.replica_id, args)
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            inner.step()  # every H-th: also the outer step, with its quorum and its all-reduces
+            time.sleep(args.step_time)
+            outer_step = f", outer step {manager.current_step()} over {manager.num_participants()} replicas"
+            say(f"replica {args.replica_id} step {step}: all-reduces {counted[0] - before}"
+                f"{outer_step if counted[0] > before else ''}, loss {loss.item():.4f}, weights {checksum(model)}")
+
+
+def launch(args: argparse.Namespace) -> int:
+    """The lighthouse, and a process per replica; the one --kill names is started again when it dies."""
+    try:
+        lighthouse = LighthouseServer(bind=f"127.0.0.1:{args.lighthouse_port}", min_replicas=1,
+                                      join_timeout_ms=200, heartbeat_timeout_ms=1000)
+    except RuntimeError as error:  # a port already taken, say
+        sys.exit(f"error: the lighthouse cannot listen on 127.0.0.1:{args.lighthouse_port}: {error}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops the replicas
+    address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"  # it names the host: loopback's safer
+    barrier = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    def start(r: int, *more: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--replica_id", str(r), "--lighthouse",
+                                 address, "--barrier", str(barrier.port), *more])
+    replicas, failed = {r: start(r) for r in range(args.replicas)}, []
+    say(f"launcher: lighthouse at {address}, {args.replicas} replicas started")
+    try:
+        while replicas:
+            for r, proc in [(r, proc) for r, proc in replicas.items() if proc.poll() is not None]:
+                del replicas[r]
+                if proc.returncode == -signal.SIGKILL and args.kill and r == args.kill[0]:
+                    say(f"launcher: replica {r} died; starting it again")
+                    replicas[r] = start(r, "--restarted")
+                elif proc.returncode:
+                    say(f"launcher: replica {r} exited with code {proc.returncode}")
+                    failed.append(r)
+            time.sleep(0.05)
+    finally:
+        for proc in replicas.values():
+            proc.kill()
+            proc.wait()
+        lighthouse.shutdown()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    sys.exit(launch(args) if args.replica_id is None else replica(args))
