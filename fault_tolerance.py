@@ -9,11 +9,13 @@ the weights and the optimizer's state from a live peer, and trains on. Nobody st
     python fault_tolerance.py --replicas 3 --steps 12 --diloco 4    # DiLoCo: all-reduces every 4th step only
 
 This process starts the lighthouse (loopback, a free port) and a process per replica group, starts a killed
-one again, and stops them all at the end. On a cluster: `torchft_lighthouse --min_replicas 1` on one host, and
-each group a torchrun job (FSDP inside) running this script with --replica_id and --lighthouse.
+one again, and stops them all at the end; --replica_id and --lighthouse run one replica alone, on this host,
+against a lighthouse started apart (`torchft_lighthouse --min_replicas 1`). A cluster's way: docs/.
 """
 import argparse
+import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,7 +42,7 @@ except ImportError:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--replicas", type=int, default=2, help="replica groups (a process each here)")
-    p.add_argument("--steps", type=int, default=60, help="steps to train (committed ones)")
+    p.add_argument("--steps", type=int, default=60, help="steps to train (committed ones; --diloco: inner ones)")
     p.add_argument("--batch_size", type=int, default=32, help="samples per replica per step")
     p.add_argument("--lr", type=float, default=0.005, help="Adam's learning rate (DiLoCo: the inner optimizer's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and of each step's batch")
@@ -56,19 +58,25 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--barrier", type=int, help=argparse.SUPPRESS)  # the launcher's store: wait for every replica
     p.add_argument("--restarted", action="store_true", help=argparse.SUPPRESS)  # started again after --kill
     args = p.parse_args()
-    if min(args.replicas, args.steps, args.batch_size, args.diloco or 1) < 1 or args.diloco and args.kill:
-        p.error("--replicas, --steps, --batch_size and --diloco must be at least 1; --kill is not for --diloco")
+    if min(args.replicas, args.steps, args.batch_size, 1 if args.diloco is None else args.diloco) < 1:
+        p.error("--replicas, --steps, --batch_size and --diloco must be at least 1")
+    if args.batch_size * args.replicas > 4096 or args.step_time < 0 or (args.diloco or 0) > args.steps:
+        p.error("--batch_size × --replicas must be at most 4096 (the samples), --step_time not negative, "
+                "--diloco at most --steps")
+    if args.kill and (args.diloco or args.replicas < 2):
+        p.error("--kill needs --replicas 2 or more (a replica heals from another), and no --diloco")
+    if args.out_dir and not os.path.isdir(args.out_dir):
+        p.error(f"--out_dir {args.out_dir} is not a folder")
     if (args.replica_id is None) != (args.lighthouse is None):
         p.error("--replica_id and --lighthouse go together: one replica, joining a running lighthouse")
     if args.replica_id is not None and not 0 <= args.replica_id < args.replicas:
         p.error(f"--replica_id {args.replica_id} is out of range: --replicas {args.replicas} are 0 to "
                 f"{args.replicas - 1}")
     if args.kill:
-        r, step, *mid = args.kill.split(":")
-        if not (r.isdigit() and step.isdigit() and int(r) < args.replicas and 0 < int(step) < args.steps
-                and mid in ([], ["mid"])):
+        kill = re.fullmatch(r"([0-9]+):([0-9]+)(:mid)?", args.kill)
+        if not (kill and int(kill[1]) < args.replicas and 0 < int(kill[2]) < args.steps):
             p.error(f"--kill must be R:S or R:S:mid, R below {args.replicas}, S from 1 to {args.steps - 1}")
-        args.kill = (int(r), int(step), "mid" if mid else "start")
+        args.kill = (int(kill[1]), int(kill[2]), "mid" if kill[3] else "start")
     return args
 
 
@@ -128,10 +136,16 @@ def replica(args: argparse.Namespace) -> None:
         counted[0] += 1
         return allreduce(*a, **k)
     counted, manager.allreduce = [0], counting
+    if args.barrier:  # started by the launcher, which stops it (also if the launcher is SIGKILLed: Linux's prctl)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if sys.platform == "linux":
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if args.barrier and not args.restarted:  # every replica's Manager up (heartbeating): step 0's quorum has all
-        barrier = dist.TCPStore("127.0.0.1", args.barrier, is_master=False)
+        barrier, deadline = dist.TCPStore("127.0.0.1", args.barrier, is_master=False), time.monotonic() + 60
         barrier.add("ready", 1)
         while barrier.add("ready", 0) < args.replicas:
+            if time.monotonic() > deadline:
+                sys.exit(f"error: replica {r}: the other replicas did not start within 60 s")
             time.sleep(0.01)
     (diloco if args.diloco else per_step)(args, model, inner, manager, counted, train_set)
     if args.out_dir:
@@ -140,15 +154,17 @@ def replica(args: argparse.Namespace) -> None:
 
 
 def per_step(args: argparse.Namespace, model, inner, manager: Manager, counted: list, train_set) -> None:
-    """torchft's per-step fault tolerance: a quorum every step, the gradients averaged over it, a step committed
-    only where all of it succeeded."""
-    optimizer, first, r = OptimizerWrapper(manager, inner), True, args.replica_id
+    """torchft's per-step fault tolerance: a quorum every step, the gradients averaged over it, the step taken
+    only where that all-reduce went through."""
+    optimizer, r, expected = OptimizerWrapper(manager, inner), args.replica_id, 0
     while manager.current_step() < args.steps:
         crash(args, manager.current_step(), "start")
         before = counted[0]
         optimizer.zero_grad()  # starts this step's quorum: which replicas take part
         manager.wait_quorum()  # (else it runs beside the forward; waited for here, to print its step)
         step = manager.current_step()  # a replica that came back: the others' step (it heals from one of them)
+        if args.restarted and step == 0:
+            sys.exit(f"error: replica {r} came back to no live peer to heal from (the others had finished?)")
         crash(args, step, "mid")
         x, y = batch(train_set, step, r, args)
         loss = F.mse_loss(model(x), y)
@@ -156,11 +172,12 @@ def per_step(args: argparse.Namespace, model, inner, manager: Manager, counted: 
         average_gradients(model, manager)
         optimizer.step()  # only if should_commit: no error in the all-reduce (a dead peer's fails on all)
         time.sleep(args.step_time)
-        say(f"replica {r} step {step}: {manager.num_participants()} replicas, all-reduces {counted[0] - before}, "
+        say(f"replica {r} step {step}: {manager.num_participants()} of {args.replicas} replicas, all-reduces "
+            f"{counted[0] - before}, "
             f"{'committed' if manager.current_step() > step else 'not committed'}"
-            f"{', healed from a peer' if args.restarted and first else ''}, loss {loss.item():.4f}, "
+            f"{', healed from a peer' if step > expected else ''}, loss {loss.item():.4f}, "
             f"weights {checksum(model)}")
-        first = False
+        expected = manager.current_step()
 
 
 def diloco(args: argparse.Namespace, model, inner, manager: Manager, counted: list, train_set) -> None:
@@ -188,7 +205,8 @@ def launch(args: argparse.Namespace) -> int:
                                       join_timeout_ms=200, heartbeat_timeout_ms=1000)
     except RuntimeError as error:  # a port already taken, say
         sys.exit(f"error: the lighthouse cannot listen on 127.0.0.1:{args.lighthouse_port}: {error}")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops the replicas
+    for signum in (signal.SIGTERM, signal.SIGINT):  # so that `finally` stops the replicas
+        signal.signal(signum, lambda signum, _: sys.exit(128 + signum))
     address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"  # it names the host: loopback's safer
     barrier = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 

@@ -16,6 +16,7 @@ of the parameters are real, and small. Shapes, not values, decide what is sent, 
 import argparse
 import contextlib
 import json
+import math
 import multiprocessing
 import os
 import sys
@@ -41,6 +42,8 @@ KINDS = {"_allgather_base_": "all-gather", "allgather_": "all-gather", "all_gath
          "reduce_scatter_tensor": "reduce-scatter", "allreduce_": "all-reduce", "allreduce_coalesced_": "all-reduce",
          "all_reduce": "all-reduce", "alltoall_base_": "all-to-all", "all_to_all_single": "all-to-all",
          "broadcast_": "broadcast", "send": "send", "recv_": "recv"}
+# Groups outside the mesh, by their size: a pipeline's tied matrix, all-reduced between its first and last stage.
+PAIRS = {"tied": 2}
 # Bytes each rank sends, as a share of the collective's whole tensor, in a ring of n ranks.
 WIRE = {"all-gather": lambda n: (n - 1) / n, "reduce-scatter": lambda n: (n - 1) / n,
         "all-reduce": lambda n: 2 * (n - 1) / n, "all-to-all": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0,
@@ -103,8 +106,8 @@ def one_step(args: argparse.Namespace, world_size: int, device: torch.device, fa
     model = parallelize.parallelize_gpt(model, mesh, args, device, init=not fake)
     optimizer = torch.optim.AdamW(model.parameters())
     counted = Collectives(mesh)
-    if isinstance(model, pipeline.Pipeline) and model.tie_group is not None:  # the tied matrix's pair: pp ranks
-        counted.dims[model.tie_group.group_name] = "pp"
+    if isinstance(model, pipeline.Pipeline) and model.tie_group is not None:  # the tied matrix's pair of ranks
+        counted.dims[model.tie_group.group_name] = "tied"
     if isinstance(model, pipeline.Pipeline):
         static_shapes(model, args, fake)
     with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(), counted:
@@ -119,7 +122,7 @@ def one_step(args: argparse.Namespace, world_size: int, device: torch.device, fa
         optimizer.step()
         bytes_held = held(model, optimizer)
     sent = {dim: dict(kinds) for dim, kinds in counted.sent.items()}
-    wire = {dim: round(sum(total * WIRE[kind](counted.sizes.get(dim, world_size))  # what it sends, in a ring
+    wire = {dim: round(sum(total * WIRE[kind]({**counted.sizes, **PAIRS}.get(dim, world_size))  # sent, in a ring
                            for kind, (_, total) in kinds.items())) for dim, kinds in sent.items()}
     return {"mesh": dict(counted.sizes), "held": bytes_held, "sent": sent, "wire": wire}
 
@@ -171,10 +174,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--shard_size is for --parallel hsdp")
     if args.tp > 1 and args.parallel == "ddp":
         p.error(f"--tp {args.tp} needs --parallel fsdp or hsdp, as in train.py")
-    if args.ranks and args.shard_size is None and args.parallel == "hsdp":
-        args.shard_size = max(1, min(8, args.ranks) // args.tp)  # a node of 8 GPUs (under torchrun: the real node's)
+    if args.ranks and args.shard_size is None and args.parallel == "hsdp":  # as parallelize.shard_size's default,
+        args.shard_size = math.gcd(max(1, min(8, args.ranks) // args.tp),  # a node of 8 GPUs (under torchrun: the
+                                   max(1, args.ranks // (args.tp * args.pp)))  # real node's), within the dp ranks
     if (args.ranks is None) == ("RANK" not in os.environ):
         p.error("give --ranks to simulate, or start under torchrun to count a real run: one of the two")
+    if args.grad_accum > 1 and args.pp == 1:  # one forward here, where train.py runs --grad_accum micro-steps
+        p.error("--grad_accum is a pipeline's micro-batches: give it with --pp (without, count one step of "
+                "--batch_size)")
     if args.pp > 1 and args.parallel == "ddp":
         p.error(f"--pp {args.pp} needs --parallel fsdp or hsdp, as in train.py")
     if args.ranks and args.parallel == "ddp":  # and DDP's reducer fails on the fake group's results
@@ -202,7 +209,7 @@ def report(args: argparse.Namespace, world_size: int, figures: dict, simulated: 
     for dim, kinds in figures["sent"].items():
         for kind, (count, total) in kinds.items():
             lines.append(f"  {dim + ' ' + kind:<24}{count:>6}{size(total):>15}"
-                         f"{size(total * WIRE[kind](figures['mesh'].get(dim, world_size))):>17}")
+                         f"{size(total * WIRE[kind]({**figures['mesh'], **PAIRS}.get(dim, world_size))):>17}")
     return "\n".join(lines)
 
 

@@ -44,9 +44,10 @@ def test_a_pipeline_is_simulated_as_a_real_run_counts_it_and_as_the_formulas_say
     """pp 3 × fsdp 2, the mini GPT (4 blocks: stages of 2, 1 and 1), 3 micro-batches of 2 × 32 tokens: 6 real ranks
     on gloo, and each simulated (every stage's shapes given up front), count the same, rank by rank. On the pp
     dimension, each stage sends each micro-batch's activation forward and its gradient back (2 × 32 × 128 floats)
-    to its neighbours; the first and the last all-reduce their shards of the tied matrix's gradient, every stage
-    the clipping norm's square. Within a stage, FSDP gathers each block and the stage's other parameters once a
-    step (kept from the first forward to the step's end), and reduce-scatters their gradients once."""
+    to its neighbours; the first and the last all-reduce their shards of the tied matrix's gradient (a group of
+    their two ranks, "tied"), every stage the clipping norm's square over the pipeline. Within a stage, FSDP
+    gathers each block and the stage's other parameters once a step (kept from the first forward to the step's
+    end), and reduce-scatters their gradients once."""
     argv = ["--model", "mini", "--vocab_size", "64", "--seq_len", "32", "--batch_size", "2", "--parallel", "fsdp",
             "--pp", "3", "--grad_accum", "3"]
     real = torchrun_in_process(6, SIMULATE, *argv, "--json", timeout=120)
@@ -64,10 +65,13 @@ def test_a_pipeline_is_simulated_as_a_real_run_counts_it_and_as_the_formulas_say
         assert figures["mesh"] == {"pp": 3, "shard": 2}
         assert figures["held"]["parameters"] == whole // 2
         neighbours = (stage > 0) + (stage < 2)
-        tied = [1, params["wte.weight"] * 4 // 2] if stage in (0, 2) else [0, 0]
         assert figures["sent"]["pp"] == {"send": [neighbours * m, neighbours * m * activation],
                                          "recv": [neighbours * m, neighbours * m * activation],
-                                         "all-reduce": [tied[0] + 1, tied[1] + 4]}, rank
+                                         "all-reduce": [1, 4]}, rank  # the clipping norm's square
+        # the tied matrix: its shard's gradient, all-reduced between the first and the last stage (2 ranks)
+        assert figures["sent"].get("tied") == ({"all-reduce": [1, params["wte.weight"] * 4 // 2]} if stage != 1
+                                               else None), rank
+        assert figures["wire"].get("tied") == (params["wte.weight"] * 4 // 2 if stage != 1 else None), rank
         rest = any(not n.startswith("blocks.") for n in stages[stage])  # embeddings, norm, head: none in the middle
         groups = len([n for n in stages[stage] if n.endswith("ln_1.weight")]) + rest  # each block, and the rest
         clipped = len(stages[stage]) - (stage == 2)  # the head's copy of the tied matrix is counted once, on wte
@@ -150,14 +154,15 @@ def test_a_pipeline_at_1024_ranks_is_simulated_and_equals_the_formulas():
     """GPT-2 124M on pp 4 × fsdp 64 × tp 4, 4 micro-batches of one sequence. Rank 0 holds the first stage (the
     embeddings and 3 blocks): it sends each micro-batch's activation (1024 / 4 tokens under sequence parallel,
     × 768) to stage 1 and receives its gradient back; all-reduces its shard of the tied matrix with the last stage
-    (tp's 50304 / 4 rows, then FSDP's chunk of them: the first ranks' chunks round up) and the clipping norm's
-    square; FSDP gathers each of its 4 groups once in the step."""
+    (tp's 50304 / 4 rows, then FSDP's chunk of them: the first ranks' chunks round up), on a group of two ranks,
+    and the clipping norm's square over the pipeline; FSDP gathers each of its 4 groups once in the step."""
     (figures,) = simulated(1024, "--model", "gpt2", "--parallel", "fsdp", "--tp", "4", "--pp", "4", "--batch_size",
                            "1", "--grad_accum", "4")
     assert figures["mesh"] == {"pp": 4, "shard": 64, "tp": 4}
     activation, rows = 1024 // 4 * 768 * 4, math.ceil(50304 // 4 / 64)
-    assert figures["sent"]["pp"] == {"send": [4, 4 * activation], "recv": [4, 4 * activation],
-                                     "all-reduce": [2, rows * 768 * 4 + 4]}
+    assert figures["sent"]["pp"] == {"send": [4, 4 * activation], "recv": [4, 4 * activation], "all-reduce": [1, 4]}
+    assert figures["sent"]["tied"] == {"all-reduce": [1, rows * 768 * 4]}
+    assert figures["wire"]["tied"] == rows * 768 * 4  # a pair's all-reduce: each sends the tensor once, in a ring
     assert figures["sent"]["shard"]["all-gather"][0] == 3 + 1
 
 

@@ -19,7 +19,7 @@ import fault_tolerance  # noqa: E402
 from data import make_datasets  # noqa: E402
 from model import build_model  # noqa: E402
 
-LINE = re.compile(r"^replica (\d+) step (\d+): (\d+) replicas, all-reduces (\d+), (committed|not committed)"
+LINE = re.compile(r"^replica (\d+) step (\d+): (\d+) of \d+ replicas, all-reduces (\d+), (committed|not committed)"
                   r"(, healed from a peer)?, loss [\d.]+, weights (-?[\d.]+)$", re.MULTILINE)
 DILOCO = re.compile(r"^replica (\d+) step (\d+): all-reduces (\d+)(?:, outer step (\d+) over (\d+) replicas)?, "
                     r"loss [\d.]+, weights (-?[\d.]+)$", re.MULTILINE)
@@ -123,7 +123,8 @@ def free_port_held() -> socket.socket:
     return held
 
 
-@pytest.mark.parametrize("case", ["no lighthouse", "port taken", "replica out of range", "no torchft"])
+@pytest.mark.parametrize("case", ["no lighthouse", "port taken", "replica out of range", "no torchft", "bad kill",
+                                  "no out_dir"])
 def test_bad_input_is_one_line_and_nothing_is_left_running(case):
     held = free_port_held()
     port = held.getsockname()[1]
@@ -135,6 +136,8 @@ def test_bad_input_is_one_line_and_nothing_is_left_running(case):
         "replica out of range": (["--replicas", "2", "--replica_id", "2", "--lighthouse", "http://127.0.0.1:1"],
                                  "--replica_id 2 is out of range: --replicas 2 are 0 to 1"),
         "no torchft": ([], "error: torchft is not installed: pip install -r requirements-torchft.txt"),
+        "bad kill": (["--kill", "1"], "--kill must be R:S or R:S:mid, R below 2, S from 1 to 59"),
+        "no out_dir": (["--out_dir", "/nonexistent/folder"], "--out_dir /nonexistent/folder is not a folder"),
     }[case]
     if case == "no torchft":
         code = "import runpy, sys; sys.modules['torchft'] = None; sys.argv[0] = 'fault_tolerance.py'; " \
