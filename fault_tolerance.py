@@ -213,13 +213,16 @@ def launch(args: argparse.Namespace) -> int:
     def start(r: int, *more: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--replica_id", str(r), "--lighthouse",
                                  address, "--barrier", str(barrier.port), *more])
-    replicas, failed = {r: start(r) for r in range(args.replicas)}, []
-    say(f"launcher: lighthouse at {address}, {args.replicas} replicas started")
+    replicas, failed, restarted = {}, [], False
     try:
+        for r in range(args.replicas):  # inside the try: a signal now still stops those started
+            replicas[r] = start(r)
+        say(f"launcher: lighthouse at {address}, {args.replicas} replicas started")
         while replicas:
             for r, proc in [(r, proc) for r, proc in replicas.items() if proc.poll() is not None]:
                 del replicas[r]
-                if proc.returncode == -signal.SIGKILL and args.kill and r == args.kill[0]:
+                if proc.returncode == -signal.SIGKILL and args.kill and r == args.kill[0] and not restarted:
+                    restarted = True
                     say(f"launcher: replica {r} died; starting it again")
                     replicas[r] = start(r, "--restarted")
                 elif proc.returncode:
