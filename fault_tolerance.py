@@ -237,6 +237,10 @@ def launch(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-if __name__ == "__main__":
+def main() -> None:
     args = parse_args()
     sys.exit(launch(args) if args.replica_id is None else replica(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -45,11 +45,11 @@ def check_layout(args: argparse.Namespace, config: GPTConfig, world_size: int) -
             raise ValueError(f"--tp {args.tp} does not divide the model's {what}, {getattr(config, what)}")
 
 
-def shard_size(args: argparse.Namespace, world_size: int) -> int:
-    """hsdp: the ranks of a shard group, --shard_size or a node's (LOCAL_WORLD_SIZE) less tp's, at most the
-    data-parallel ranks (with --pp on one node, fewer than a node's)."""
-    node = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) // args.tp)
-    return args.shard_size or math.gcd(node, max(1, world_size // (args.tp * args.pp)))
+def shard_size(args: argparse.Namespace, world_size: int, node: int | None = None) -> int:
+    """hsdp: the ranks of a shard group, --shard_size or a node's (`node` ranks, else LOCAL_WORLD_SIZE) less
+    tp's, at most the data-parallel ranks (with --pp on one node, fewer than a node's)."""
+    node = node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return args.shard_size or math.gcd(max(1, node // args.tp), max(1, world_size // (args.tp * args.pp)))
 
 
 def make_mesh(args: argparse.Namespace, world_size: int, device: torch.device) -> DeviceMesh | None:

@@ -16,7 +16,6 @@ of the parameters are real, and small. Shapes, not values, decide what is sent, 
 import argparse
 import contextlib
 import json
-import math
 import multiprocessing
 import os
 import sys
@@ -78,7 +77,7 @@ class Collectives(TorchDispatchMode):
             else:  # the group's name, the last string (after the reduce op's)
                 group = [a for a in args if isinstance(a, str)][-1]
             if kind in ("send", "recv") and not flat[0].is_floating_point():
-                return out  # a pipeline's first step also sends its shapes (integers): not a step's traffic
+                return out  # a schedule's first step votes with integers (static_shapes): not a step's traffic
             entry = self.sent[self.dims.get(group, "other")][kind]
             entry[0] += 1
             entry[1] += max(t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor))
@@ -174,9 +173,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--shard_size is for --parallel hsdp")
     if args.tp > 1 and args.parallel == "ddp":
         p.error(f"--tp {args.tp} needs --parallel fsdp or hsdp, as in train.py")
-    if args.ranks and args.shard_size is None and args.parallel == "hsdp":  # as parallelize.shard_size's default,
-        args.shard_size = math.gcd(max(1, min(8, args.ranks) // args.tp),  # a node of 8 GPUs (under torchrun: the
-                                   max(1, args.ranks // (args.tp * args.pp)))  # real node's), within the dp ranks
+    if args.ranks and args.shard_size is None and args.parallel == "hsdp":  # a node of 8 GPUs (torchrun: the real's)
+        args.shard_size = parallelize.shard_size(args, args.ranks, node=min(8, args.ranks))
     if (args.ranks is None) == ("RANK" not in os.environ):
         p.error("give --ranks to simulate, or start under torchrun to count a real run: one of the two")
     if args.grad_accum > 1 and args.pp == 1:  # one forward here, where train.py runs --grad_accum micro-steps

@@ -41,7 +41,7 @@ def run(tmp_path, *argv: str) -> str:
 
 
 def final_weights(tmp_path, replicas: int) -> list[dict]:
-    return [torch.load(tmp_path / f"replica_{r}.pt") for r in range(replicas)]
+    return [torch.load(tmp_path / f"replica_{r}.pt", weights_only=True) for r in range(replicas)]
 
 
 def one_process(replicas: int, n: int, batch_size: int = 32) -> torch.nn.Module:
