@@ -1,12 +1,15 @@
-"""Pipeline parallel by hand: the GPT's blocks cut into one stage per rank, fed micro-batches, GPipe and 1F1B.
+"""Pipeline parallel by hand: the GPT's blocks cut into one stage per rank, fed micro-batches, GPipe, 1F1B, zero bubble.
 
 docs/pipeline_parallel.md. Each rank holds a run of blocks (the first also the embeddings, the last the output
 layer); activations go forward and their gradients back with send/recv. GPipe runs every micro-batch's forward,
 then every backward; 1F1B starts the backwards as soon as it can, so a stage keeps at most P micro-batches'
-activations. Each rank records when it computes; the idle fraction is printed beside (p-1)/(m+p-1). One step is
-checked against one process, then torch.distributed.pipelining's schedule, then the model trains.
+activations. Zero bubble (ZB-H1) splits each backward in two: the gradient for the stage's input, which the stage
+before waits for, then later the gradient for its weights, which fills the waits (docs/zero_bubble.md). Each rank
+records when it computes; the idle fraction is printed beside the formula. One step is checked against one process,
+then torch.distributed.pipelining's schedule, then the model trains.
 
     torchrun --standalone --nproc-per-node 4 pipeline_parallel.py --schedule 1f1b --micro_batches 8
+    torchrun --standalone --nproc-per-node 4 pipeline_parallel.py --schedule zb --micro_batches 8
     torchrun --standalone --nproc-per-node 2 pipeline_parallel.py --schedule gpipe --plot pipeline.png
 """
 import argparse
@@ -20,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  first: imported later, it holds the group at exit
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble
 
 from gpt.model import GPT, GPTConfig
 
@@ -51,7 +54,8 @@ class Stage(nn.Module):
 
 
 def schedule(name: str, stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
-    """This stage's work in order: ("F", i) is micro-batch i's forward, ("B", i) its backward."""
+    """This stage's work in order: ("F", i) is micro-batch i's forward, ("B", i) its backward; under zb ("B", i) is
+    the gradient for the stage's input only, and ("W", i) the gradient for its weights."""
     m = micro_batches
     if name == "gpipe":  # all forwards, then all backwards: every micro-batch's activations kept at once
         return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
@@ -59,7 +63,13 @@ def schedule(name: str, stage: int, stages: int, micro_batches: int) -> list[tup
     order = [("F", i) for i in range(warmup)]
     for i in range(m - warmup):  # then one forward, one backward: a backward frees a micro-batch's activations
         order += [("F", warmup + i), ("B", i)]
-    return order + [("B", i) for i in range(m - warmup, m)]
+    order += [("B", i) for i in range(m - warmup, m)]
+    if name == "1f1b":
+        return order
+    zb = []  # ZB-H1: 1F1B's order, stage s holding back s weight passes: micro-batch i's after i + s's input pass
+    for kind, i in order:
+        zb += [(kind, i)] + ([("W", i - stage)] if kind == "B" and i >= stage else [])
+    return zb + [("W", i) for i in range(max(m - stage, 0), m)]  # the last s: into the wait at the end
 
 
 def p2p(op, tensor: torch.Tensor, peer: int) -> dist.Work:
@@ -71,12 +81,26 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # the mean over one micro-batch's tokens
 
 
+def weight_pass(waiting: list) -> None:
+    """Zero bubble's second half: each module's weight gradients from the gradient of its output, saved by the input
+    pass. Autograd runs from that output to those weights only (the input's path is needed by none of them)."""
+    for module, out, grad in waiting:
+        weights = list(module.parameters(recurse=False))
+        for weight, part in zip(weights, torch.autograd.grad(out, weights, grad), strict=True):
+            weight.grad = part if weight.grad is None else weight.grad + part
+
+
 def run_schedule(stage: Stage, order: list, inputs: list, targets: list, rank: int, shape: tuple) -> tuple:
     """One step: every micro-batch forward and backward in `order`, gradients adding up in .grad. Returns
-    (the batch's loss on the last stage, [(kind, start, end)] of each computation, most activations kept)."""
+    (the batch's loss on the last stage, [(kind, start, end)] of each computation, most micro-batches kept)."""
     kept, received, sends, timeline, loss, most = {}, {}, [], [], 0.0, 0
+    split, outputs, waiting = any(kind == "W" for kind, _ in order), {}, {}  # zero bubble: the weight pass apart
+    owners = [module for module in stage.modules() if any(True for _ in module.parameters(recurse=False))]
+    hooks = [module.register_forward_hook(lambda module, _, out: outputs[i].append((module, out)))
+             for module in owners] if split else []  # each weight's module output: where its weight pass starts
     for kind, i in order:
         if kind == "F":
+            outputs[i] = []
             x = inputs[i] if stage.first else torch.empty(shape)
             if not stage.first:
                 p2p(dist.irecv, x, rank - 1).wait()  # the previous stage's output: waiting here is the bubble
@@ -88,16 +112,30 @@ def run_schedule(stage: Stage, order: list, inputs: list, targets: list, rank: i
                 loss += kept[i].item()
             else:  # not waited for: a send that waited for its receive could deadlock 1F1B
                 sends.append(p2p(dist.isend, kept[i].detach(), rank + 1))
-            most = max(most, len(kept))
-        else:
+            most = max(most, len(kept) + len(waiting))
+        elif kind == "B":
             grad = None if stage.last else torch.empty(shape)
             if not stage.last:
                 p2p(dist.irecv, grad, rank + 1).wait()  # d loss / d (this stage's output i), from the next stage
             start = time.perf_counter()
-            torch.autograd.backward(kept.pop(i), grad)  # frees micro-batch i's activations
+            if split:  # through the stage to its input, and to each module's output on the way, no weight's gradient
+                modules, outs = zip(*outputs.pop(i), strict=True)
+                grads = torch.autograd.grad(kept.pop(i), ([] if stage.first else [received[i]]) + list(outs), grad,
+                                            retain_graph=True)  # the graph is kept for the weight pass
+                waiting[i] = list(zip(modules, outs, grads[-len(outs):], strict=True))
+                if not stage.first:
+                    received[i].grad = grads[0]
+            else:
+                torch.autograd.backward(kept.pop(i), grad)  # frees micro-batch i's activations
             timeline.append(("B", start, time.perf_counter()))
             if not stage.first:
                 sends.append(p2p(dist.isend, received.pop(i).grad, rank - 1))
+        else:
+            start = time.perf_counter()
+            weight_pass(waiting.pop(i))  # frees micro-batch i's activations
+            timeline.append(("W", start, time.perf_counter()))
+    for hook in hooks:
+        hook.remove()
     for work in sends:
         work.wait()
     return loss, timeline, most
@@ -114,7 +152,10 @@ def torch_schedule(stage: Stage, name: str, tokens: torch.Tensor, targets: torch
                    world_size: int, micro_batches: int) -> float:
     """The same step with torch.distributed.pipelining, which cuts the batch itself and infers the shapes."""
     pipe = PipelineStage(stage, rank, world_size, torch.device("cpu"))
-    runner = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name](pipe, micro_batches, loss_fn=loss_fn)
+    if name == "zb":  # torch's ZB1P: its zero bubble schedule, given one stage a rank
+        runner = ScheduleInterleavedZeroBubble([pipe], micro_batches, loss_fn=loss_fn)
+    else:
+        runner = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name](pipe, micro_batches, loss_fn=loss_fn)
     losses = []  # scale_grads=True (the default) divides the gradients by the micro-batches: the batch's mean
     runner.step(*[tokens] if stage.first else [], target=targets if stage.last else None, losses=losses)
     return sum(loss.item() for loss in losses) / micro_batches if stage.last else 0.0
@@ -125,10 +166,11 @@ def gradient_error(stage: Stage, reference: GPT) -> float:
     return torch.stack([(p.grad - whole[name].grad).abs().max() for name, p in stage.named_parameters()]).max().item()
 
 
-def idle_fraction(timelines: list[list]) -> float:
-    """The mean over the ranks of the time each spent not computing, between the step's first start and last end."""
+def idle_fraction(timelines: list[list]) -> tuple[float, float]:
+    """The mean over the ranks of the time each spent not computing, between the step's first start and last end;
+    and that span, in seconds."""
     start, end = min(t[0][1] for t in timelines), max(t[-1][2] for t in timelines)
-    return 1 - sum(sum(e - s for _, s, e in t) for t in timelines) / len(timelines) / (end - start)
+    return 1 - sum(sum(e - s for _, s, e in t) for t in timelines) / len(timelines) / (end - start), end - start
 
 
 def plot(timelines: list[list], path: str, title: str) -> None:
@@ -142,16 +184,17 @@ def plot(timelines: list[list], path: str, title: str) -> None:
     for rank, timeline in enumerate(timelines):
         for kind, s, e in timeline:
             axes.broken_barh([(1e3 * (s - start), 1e3 * (e - s))], (rank - 0.4, 0.8), edgecolor="white",
-                             color="tab:blue" if kind == "F" else "tab:orange")
+                             color={"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}[kind])
     axes.set(yticks=range(len(timelines)), yticklabels=[f"stage {r}" for r in range(len(timelines))],
-             xlabel="ms (blue: forward, orange: backward, blank: waiting)", title=title)
+             xlabel="ms (blue: forward, orange: backward, green: weight pass, blank: waiting)", title=title)
     axes.invert_yaxis()
     figure.savefig(path, dpi=100, bbox_inches="tight")
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"], help="the order of the work")
+    parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "zb"],
+                        help="the order of the work; zb: zero bubble (ZB-H1)")
     parser.add_argument("--micro_batches", type=int, default=4, help="m: the batch is cut into m equal parts")
     parser.add_argument("--batch_size", type=int, default=16, help="sequences per step: a multiple of m")
     parser.add_argument("--n_layer", type=int, default=8, help="blocks, cut into one run per rank")
@@ -208,9 +251,11 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> Stage:
         if stage.last:  # the loss lives on the last stage; the reference trains there too, after the timed step
             (reference_loss := loss_fn(reference(x), y)).backward()
             optimizers[1].step()
-            print(f"step {step} | loss {loss:.6f} (one process: {reference_loss.item():.6f}) | idle "
-                  f"{idle_fraction(timelines):.2f}, (p-1)/(m+p-1) = {(world_size - 1) / (m + world_size - 1):.2f}",
-                  flush=True)
+            k = 3 if args.schedule == "zb" else 1  # zb: a forward, an input and a weight pass of equal time
+            idle, span = idle_fraction(timelines)
+            print(f"step {step} | loss {loss:.6f} (one process: {reference_loss.item():.6f}) | idle {idle:.2f} of "
+                  f"{1e3 * span:.0f} ms, (p-1)/({'3' * (k == 3)}m+p-1) = "
+                  f"{(world_size - 1) / (k * m + world_size - 1):.2f}", flush=True)
     if rank == 0 and args.plot and args.steps:
         plot(timelines, args.plot, f"{args.schedule}, {world_size} stages, {m} micro-batches")
     if any(not error <= TOLERANCE for error in errors):  # not >: a NaN passes no comparison
@@ -227,8 +272,9 @@ def main() -> None:
     if not 1 < world_size <= args.n_layer:
         raise SystemExit(f"error: {world_size} ranks: a pipeline needs 2 or more, and a block for each (--n_layer "
                          f"{args.n_layer})")
-    if args.schedule == "1f1b" and args.micro_batches < world_size:  # ValueError in torch's Schedule1F1B
-        raise SystemExit(f"error: 1F1B needs a micro-batch per stage or more: --micro_batches {world_size} at least")
+    if args.schedule != "gpipe" and args.micro_batches < world_size:  # ValueError in torch's Schedule1F1B
+        raise SystemExit(f"error: {args.schedule} needs a micro-batch per stage or more: --micro_batches {world_size} "
+                         "at least")
     dist.init_process_group("gloo", rank=rank, world_size=world_size)  # env://: meets at MASTER_ADDR:MASTER_PORT
     try:  # destroy also when training raises
         train(args, rank, world_size)

@@ -15,7 +15,7 @@ SCRIPTS = ["single_process", "singlenode_cpu", "singlenode_gpu", "mp_spawn", "st
            "grad_accumulation", "uneven_inputs", "unused_parameters", "sync_batchnorm", "model_parallel", "debug_hang",
            "zero_optimizer", "fsdp2", "bench_memory", "bench_comm", "comm_intro", "comm_collectives", "ddp_by_hand",
            "zero_by_hand", "bench_by_hand", "tensor_parallel", "pipeline_parallel", "mesh_2d", "context_parallel",
-           "expert_parallel", "fault_tolerance", "bench_fault_tolerance"]
+           "expert_parallel", "fault_tolerance", "bench_fault_tolerance", "bench_pipeline"]
 
 
 def quick_start() -> list[str]:
