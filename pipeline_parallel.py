@@ -100,8 +100,7 @@ def run_schedule(stage: Stage, order: list, inputs: list, targets: list, rank: i
              for module in owners] if split else []  # each weight's module output: where its weight pass starts
     for kind, i in order:
         if kind == "F":
-            outputs[i] = []
-            x = inputs[i] if stage.first else torch.empty(shape)
+            x, outputs[i] = inputs[i] if stage.first else torch.empty(shape), []
             if not stage.first:
                 p2p(dist.irecv, x, rank - 1).wait()  # the previous stage's output: waiting here is the bubble
                 x.requires_grad_()
@@ -152,10 +151,8 @@ def torch_schedule(stage: Stage, name: str, tokens: torch.Tensor, targets: torch
                    world_size: int, micro_batches: int) -> float:
     """The same step with torch.distributed.pipelining, which cuts the batch itself and infers the shapes."""
     pipe = PipelineStage(stage, rank, world_size, torch.device("cpu"))
-    if name == "zb":  # torch's ZB1P: its zero bubble schedule, given one stage a rank
-        runner = ScheduleInterleavedZeroBubble([pipe], micro_batches, loss_fn=loss_fn)
-    else:
-        runner = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name](pipe, micro_batches, loss_fn=loss_fn)
+    runner = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "zb": ScheduleInterleavedZeroBubble}[name](
+        [pipe] if name == "zb" else pipe, micro_batches, loss_fn=loss_fn)  # zb: torch's ZB1P, one stage a rank
     losses = []  # scale_grads=True (the default) divides the gradients by the micro-batches: the batch's mean
     runner.step(*[tokens] if stage.first else [], target=targets if stage.last else None, losses=losses)
     return sum(loss.item() for loss in losses) / micro_batches if stage.last else 0.0

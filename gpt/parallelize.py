@@ -8,6 +8,7 @@ what a backward communicates under gradient accumulation.
 """
 import argparse
 import contextlib
+import functools
 import math
 import os
 
@@ -19,11 +20,19 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor import parallel as tp
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import pipeline
 from model import GPT, GPTConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# --activation_checkpoint selective keeps what these return (the matrix products, attention on CPU and on GPUs) and
+# recomputes the rest in backward: the norms, GELU, the additions and views, cheap for the bytes they would hold.
+KEEP = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+        torch.ops.aten._scaled_dot_product_flash_attention.default,
+        torch.ops.aten._scaled_dot_product_efficient_attention.default,
+        torch.ops.aten._scaled_dot_product_cudnn_attention.default}
 
 
 def check_layout(args: argparse.Namespace, config: GPTConfig, world_size: int) -> None:
@@ -77,6 +86,7 @@ def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespac
     its shard (init=False: left as allocated, for simulate.py, which only counts). Under --pp, this rank's
     stages, each laid out so, in a pipeline.Pipeline."""
     order = [(name, param.shape) for name, param in model.named_parameters()]  # the draws of GPT.init_weights
+    checkpoint_blocks(model, args.activation_checkpoint)  # before compile (traced with it) and the wrappers' hooks
     if args.compile:
         compile_model(model)
     if mesh is None:
@@ -117,6 +127,26 @@ def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespac
     if ids:
         return pipeline.Pipeline(parts, ids, mesh, args, device, DTYPES[args.precision], lambda: loss_context(mesh))
     return model
+
+
+def keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in KEEP else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpoint_blocks(model: GPT, mode: str) -> None:
+    """--activation_checkpoint, per block. full: a block's forward keeps nothing for backward but its input (kept
+    anyway, the block before's output), and runs again in backward; selective: it keeps KEEP's results too. Each
+    block's forward is wrapped where it is, so its parameters keep their names and FSDP's and tp's hooks, on the
+    block's call and its modules', run around it: FSDP gathers the block's weights before its backward, which
+    recomputes inside. Non-reentrant (use_reentrant=False), as torch recommends: it records the graph, so every
+    way of running backward works (the pipeline schedules' autograd.grad over chosen inputs among them; the
+    reentrant kind takes only a plain backward), and it stops recomputing once what backward needs is rebuilt."""
+    if mode == "none":
+        return
+    context = {"context_fn": functools.partial(create_selective_checkpoint_contexts, keep_matmuls)}
+    for block in model.blocks:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False,
+                                          **(context if mode == "selective" else {}))
 
 
 def blocks(part: nn.Module) -> list[nn.Module]:

@@ -168,7 +168,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("shard_size", "tp", "pp", "grad_accum", "batch_size", "seq_len", "vocab_size", "ranks"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
-    args.compile, args.seed = False, 0  # what parallelize.py reads of train.py's other flags
+    args.compile, args.seed, args.activation_checkpoint = False, 0, "none"  # what parallelize.py reads of train.py's
     if args.shard_size is not None and args.parallel != "hsdp":
         p.error("--shard_size is for --parallel hsdp")
     if args.tp > 1 and args.parallel == "ddp":

@@ -97,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grad_clip", type=float, default=1.0, help="clip the gradient's global norm to this; 0: never")
     p.add_argument("--precision", choices=DTYPES, default="fp32", help="the compute dtype; weights stay fp32")
     p.add_argument("--compile", action="store_true", help="torch.compile each block, and the head with its loss")
+    p.add_argument("--activation_checkpoint", choices=["none", "full", "selective"], default="none",
+                   help="per block: keep only its input for backward and run it again there (full), or keep\n"
+                        "the matrix products' and attention's results and recompute the rest (selective)")
     p.add_argument("--seed", type=int, default=0, help="the initial weights and the order of the batches")
     p.add_argument("--log_every", type=int, default=10, help="steps per log line (1: every step)")
     p.add_argument("--eval_every", type=int, default=100, help="steps between evaluations (and at the end)")
@@ -537,7 +540,8 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
         shape = " × ".join(f"{name} {n}" for name, n in zip(mesh.mesh_dim_names, mesh.shape, strict=True)) \
             if mesh is not None and mesh.ndim > 1 else ""
         print(f"gpt {args.model} ({n_params / 1e6:.2f}M parameters) | {args.parallel} on {world_size} "
-              f"rank{'s' if world_size > 1 else ''}{f' ({shape})' if shape else ''}, {device.type} | "
+              f"rank{'s' if world_size > 1 else ''}{f' ({shape})' if shape else ''}, {device.type}"
+              f"{'' if args.activation_checkpoint == 'none' else f', {args.activation_checkpoint} checkpointing'} | "
               f"data {tokens.name} (vocab {tokens.vocab_size}) | global batch {global_batch} × {args.seq_len} tokens",
               flush=True)
         node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))

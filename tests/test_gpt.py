@@ -189,6 +189,33 @@ def test_every_kind_of_schedule_trains_what_one_process_trains(nproc, schedule):
     assert_same_training(reference, pipelined, f"pp {nproc} with {schedule}")
 
 
+def assert_bit_for_bit(reference, other, what: str) -> None:
+    assert reference[0] == other[0], what  # every record: losses, gradient norms, validation losses (not times...)
+    assert reference[1].keys() == other[1].keys() and all(torch.equal(reference[1][k], other[1][k])
+                                                          for k in reference[1]), what
+
+
+def test_activation_checkpointing_changes_no_loss_bit_for_bit():
+    """--activation_checkpoint full and selective recompute in backward what the forward computed, with the same
+    weights (FSDP gathers a block's before its backward, which recomputes inside) and the same kernels: fp32 on
+    a CPU, the same numbers. One process (both), fsdp 2 (full), fsdp 1 × tp 2 (selective, its collectives run
+    again in the recomputation) and pp 2 in a V with zero bubble's split backward (full), each against the same
+    layout without it: every logged loss, gradient norm and validation loss, and every exported weight, equal."""
+    layouts = {"one process": (("ddp", *SPLITS[0]), ("full", "selective")),
+               "fsdp 2": (("fsdp", *SPLITS[1]), ("full",)),
+               "tp 2": (("fsdp", 2, *TP_SPLIT, "--tp", "2"), ("selective",)),
+               "pp 2, ZBVZeroBubble": (("fsdp", 2, 3, 4, "--model", "mini", "--pp", "2", "--pp_schedule",
+                                        "ZBVZeroBubble"), ("full",))}
+    for what, (layout, modes) in layouts.items():
+        reference = run_split(*layout)
+        for mode in modes:
+            checkpointed = run_split(*layout, "--activation_checkpoint", mode)
+            assert f", {mode} checkpointing |" in checkpointed[2]
+            timeless = [[{k: v for k, v in r.items() if k in ("step", "loss", "grad_norm", "val_loss", "lr")}
+                         for r in run[0]] for run in (reference, checkpointed)]
+            assert_bit_for_bit((timeless[0], reference[1]), (timeless[1], checkpointed[1]), f"{what}, {mode}")
+
+
 def test_the_micro_batch_rules_refuse_exactly_what_torchs_schedules_refuse():
     """pipeline.check, which refuses before anything is written, against torch's own schedule classes built on
     mock stages (torch's private _schedule_visualizer.get_schedule_ops): every schedule, 2 and 4 pipeline ranks,
@@ -329,7 +356,8 @@ def test_a_nanogpt_folder_trains_exactly_as_the_same_tokens_from_a_text_file(tex
 def test_every_documented_gpt_command_passes_options_train_py_accepts():
     gpt_train = import_gpt_train()
     sbatch = (REPO / "gpt" / "train.sbatch").read_text().replace("\\\n", " ")
-    docs = (REPO / "docs" / "gpt_job.md").read_text() + (REPO / "README.md").read_text() + sbatch
+    docs = "".join((REPO / "docs" / page).read_text() for page in ("gpt_job.md", "activation_checkpointing.md"))
+    docs += (REPO / "README.md").read_text() + sbatch
     lines = re.findall(r"(?:torchrun|python) [^`\n]*gpt/train\.py[^`\n]*", docs)
     commands = [line.split("gpt/train.py", 1)[1] for line in lines]
     assert len(commands) >= 6
@@ -526,7 +554,9 @@ def test_bench_prints_each_world_size_and_an_efficiency_recomputable_from_its_fi
     rows = [line.split() for line in result.stdout.splitlines() if re.match(r"\s+\d+\s+\d+\s+[\d,]+", line)]
     assert [row[0] for row in rows] == ["1", "2"]
     one, two = (float(row[2].replace(",", "")) for row in rows)
-    assert rows[0][-1] == "100%" and rows[1][-1] == f"{two / (2 * one):.0%}"
+    # printed to the token: on a loaded machine (tens of tokens/s) that rounding moves the efficiency past a %
+    low, high = (two - 0.5) / (2 * (one + 0.5)), (two + 0.5) / (2 * (one - 0.5))
+    assert rows[0][-1] == "100%" and round(100 * low) <= int(rows[1][-1][:-1]) <= round(100 * high), rows
     assert "train.py --max_steps 60 --log_every 10 --eval_every 1000000 --val_tokens 64 --save_every 0 --max_steps 12" \
         in result.stdout
 
@@ -583,8 +613,9 @@ def test_bench_prints_what_saving_costs_and_compares_a_resumed_run_with_a_fresh_
                         r"(-?[\d.]+)% slower", result.stdout, re.MULTILINE)
     assert len(saving) == 1  # with --repeats 1, the cost is recomputable from the two figures
     for with_saves, without, cost in saving:
-        ratio = float(with_saves.replace(",", "")) / float(without.replace(",", ""))
-        assert abs(100 * (1 - ratio) - float(cost)) < 0.1
+        saves, plain = float(with_saves.replace(",", "")), float(without.replace(",", ""))
+        low, high = (saves - 0.5) / (plain + 0.5), (saves + 0.5) / (plain - 0.5)  # each printed to the token
+        assert 100 * (1 - high) - 0.05 <= float(cost) <= 100 * (1 - low) + 0.05
     assert re.search(r"^ +resumed at step 12: [\d,]+ tokens/s against [\d,]+ for the same steps of a fresh run$",
                      result.stdout, re.MULTILINE), result.stdout
 
