@@ -5,25 +5,9 @@ import io
 import sys
 
 import pytest
-from launch import REPO
+from test_gpt import import_gpt
 
-
-def import_activations():
-    """gpt/activations.py as a module of this process: it imports its siblings as `model` (gpt/'s), a name the
-    root's lessons hold here, swapped out for the import, then back (as tests/test_gpt.py imports train.py)."""
-    root = {name: sys.modules.pop(name) for name in ("model", "data") if name in sys.modules}
-    sys.path.insert(0, str(REPO / "gpt"))
-    try:
-        import activations
-    finally:
-        sys.path.remove(str(REPO / "gpt"))
-        for name in ("model", "data"):
-            sys.modules.pop(name, None)
-        sys.modules.update(root)
-    return activations
-
-
-activations = import_activations()
+activations = import_gpt("activations")
 SIZES = [(activations.GPTConfig(64, 64, **activations.CONFIGS["tiny"]), 8),
          (activations.GPTConfig(96, 40, **activations.CONFIGS["mini"]), 3)]
 

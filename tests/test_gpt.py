@@ -7,6 +7,7 @@ torchrun's variables, the same code path as `torchrun --standalone --nproc-per-n
 import argparse
 import contextlib
 import functools
+import importlib
 import io
 import json
 import math
@@ -223,7 +224,7 @@ def test_the_micro_batch_rules_refuse_exactly_what_torchs_schedules_refuse():
     check() refuses exactly what the schedule's constructor raises a ValueError for (the same from 2 to 4 ranks
     and 1 to 9 micro-batches, by hand)."""
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-    pipeline = import_gpt_train().pipeline
+    pipeline = import_gpt().pipeline
     config = GPTConfig(vocab_size=64, seq_len=32, n_layer=8, n_head=2, n_embd=64)  # blocks for every stage
     differ = []
     for schedule in pipeline.SCHEDULES:
@@ -274,19 +275,19 @@ LOG_LINE = re.compile(r"^step (\d+) \| loss ([\d.]+) \| lr ([\d.e+-]+) \| grad_n
                       r"\| mem ([\d.]+) GiB \(rss\)$", re.MULTILINE)
 
 
-def import_gpt_train():
-    """gpt/train.py as a module of this process. It imports its siblings as `model` and `data`,
-    names that the root's lessons hold here: they are swapped out for the import, then back."""
+def import_gpt(script: str = "train"):
+    """gpt/SCRIPT.py (train.py, activations.py) as a module of this process. It imports its siblings as `model`
+    and `data`, names that the root's lessons hold here: they are swapped out for the import, then back."""
     root = {name: sys.modules.pop(name) for name in ("model", "data") if name in sys.modules}
     sys.path.insert(0, str(REPO / "gpt"))
     try:
-        import train as gpt_train
+        module = importlib.import_module(script)
     finally:
         sys.path.remove(str(REPO / "gpt"))
         for name in ("model", "data"):
             sys.modules.pop(name, None)
         sys.modules.update(root)
-    return gpt_train
+    return module
 
 
 def test_the_documented_run_reaches_the_floor_and_metrics_hold_what_the_lines_print():
@@ -354,7 +355,7 @@ def test_a_nanogpt_folder_trains_exactly_as_the_same_tokens_from_a_text_file(tex
 
 
 def test_every_documented_gpt_command_passes_options_train_py_accepts():
-    gpt_train = import_gpt_train()
+    gpt_train = import_gpt()
     sbatch = (REPO / "gpt" / "train.sbatch").read_text().replace("\\\n", " ")
     docs = "".join((REPO / "docs" / page).read_text() for page in ("gpt_job.md", "activation_checkpointing.md"))
     docs += (REPO / "README.md").read_text() + sbatch
@@ -427,7 +428,7 @@ def test_values_that_would_fail_later_with_a_traceback_are_refused_by_the_parser
     """nan passes `< 0` checks; an lr past float32's range fails in Adam's first step; a seed of 2**64
     in torch.manual_seed; a timeout of inf in timedelta: each one line from argparse now."""
     with pytest.raises(SystemExit) as stopped:
-        import_gpt_train().parse_args(argv)
+        import_gpt().parse_args(argv)
     assert stopped.value.code == 2 and error in capsys.readouterr().err
 
 
@@ -435,7 +436,7 @@ def hang_up(rank: int, world_size: int) -> tuple:
     """A StopRequest of a group of one, called as after each step: before a SIGHUP to this process, then
     until it agrees to stop (how many steps that took); then the same with SIGHUP ignored, as nohup
     starts a command, for 300 steps."""
-    gpt_train = import_gpt_train()
+    gpt_train = import_gpt()
     stop = gpt_train.StopRequest(None)
     try:
         before = stop.agreed()
@@ -468,7 +469,7 @@ def agree_at_own_paces(rank: int, world_size: int, signal_step: int) -> tuple:
     """StopRequest called after each of up to 400 steps that take each rank its own time (1 to 9 ms),
     with intervals of about 20 ms; rank 1 signals itself as step `signal_step` starts. Returns (the
     step it stopped after, the steps whose ends read an agreement)."""
-    stop = import_gpt_train().StopRequest(None)
+    stop = import_gpt().StopRequest(None)
     stop.SECONDS = 0.02
     reads = []
     try:
@@ -626,7 +627,7 @@ def fp16_inf_on_one_rank(rank: int, world_size: int, parallel: str, local_check:
     rank's weights changed). local_check: the inf check as it would be without DTensor's handler in
     torch/distributed/tensor/_dispatch.py (found_inf_reduce_handler), each rank on its own shard."""
     from torch.distributed.tensor import DTensor
-    gpt_train = import_gpt_train()
+    gpt_train = import_gpt()
     args = gpt_train.parse_args(["--parallel", parallel, "--precision", "fp16", "--seq_len", "16"])
     if local_check:
         def each_rank_alone(op_call, op_args, kwargs):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from harness import torchrun_in_process
 from launch import REPO, run
-from test_gpt import import_gpt_train
+from test_gpt import import_gpt
 
 sys.path.insert(0, str(REPO))
 from gpt.gpu_check import CHECKS, host_waits, recompiles_after_first_log  # noqa: E402
@@ -22,7 +22,7 @@ def test_every_command_of_the_check_is_one_that_train_py_accepts():
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert [line.split(":")[0] for line in lines] == ["ddp", "fsdp", "fp16", "sigterm", "sigterm", "profile"]
-    gpt_train = import_gpt_train()
+    gpt_train = import_gpt()
     for line in lines:
         argv = shlex.split(line.split("gpt/train.py ", 1)[1])
         args = gpt_train.parse_args(argv)
