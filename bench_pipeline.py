@@ -55,6 +55,10 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--n_embd must be a multiple of 4 (the lesson's heads), got {args.n_embd}")
     if max(args.stages) > args.micro_batches:
         parser.error(f"--micro_batches {args.micro_batches}: 1F1B and zero bubble need one per stage or more")
+    for stages in args.stages:  # torch's zero bubble, checked beside the lesson's, runs rounds of m // stages
+        if args.micro_batches % (args.micro_batches // stages):
+            parser.error(f"--micro_batches {args.micro_batches} at {stages} stages: not a multiple of "
+                         f"{args.micro_batches // stages}, the rounds of torch's zero bubble")
     return args
 
 

@@ -272,6 +272,10 @@ def main() -> None:
     if args.schedule != "gpipe" and args.micro_batches < world_size:  # ValueError in torch's Schedule1F1B
         raise SystemExit(f"error: {args.schedule} needs a micro-batch per stage or more: --micro_batches {world_size} "
                          "at least")
+    rounds = args.micro_batches // world_size  # torch's zero bubble, checked beside zb: a ValueError otherwise
+    if args.schedule == "zb" and args.micro_batches % rounds:
+        raise SystemExit(f"error: torch's zero bubble, checked beside zb, runs rounds of m // {world_size} ranks: "
+                         f"--micro_batches {args.micro_batches} is not a multiple of its {rounds}")
     dist.init_process_group("gloo", rank=rank, world_size=world_size)  # env://: meets at MASTER_ADDR:MASTER_PORT
     try:  # destroy also when training raises
         train(args, rank, world_size)

@@ -49,6 +49,7 @@ def test_a_failed_run_is_one_line(monkeypatch):
     (["--n_embd", "30"], "--n_embd must be a multiple of 4"),
     (["--stages", "2", "4", "--micro_batches", "3"], "--micro_batches 3: 1F1B and zero bubble need one per stage"),
     (["--steps", "0"], "argument --steps: must be from 1 to 100, got 0"),
+    (["--stages", "2", "--micro_batches", "5"], "--micro_batches 5 at 2 stages: not a multiple of 2"),
 ])
 def test_bad_input_is_one_line(argv, message):
     assert_one_line(*run_main("bench_pipeline.py", *argv)[::2], message)

@@ -89,8 +89,9 @@ def test_output_and_gradients_are_one_process_s(runs, world_size, zigzag, seq_le
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("seq_len", [*LENGTHS, "full"])
 def test_ulysses_output_and_gradients_are_one_process_s(runs, world_size, seq_len):
-    """Ulysses runs one process's attention on a whole sequence, for some of the heads: measured bit for bit here,
-    held to the same 1e-5 (another kernel could block its sums by the number of heads it gets)."""
+    """Ulysses runs one process's attention on a whole sequence, for some of the heads: measured bit for bit
+    without padding, up to 7.2e-7 with it (29 tokens padded: the kernel runs on 32 and rounds otherwise); held to
+    the ring's 1e-5."""
     for result in runs[world_size]:
         assert result["ulysses", seq_len] <= context_parallel.TOLERANCE
 

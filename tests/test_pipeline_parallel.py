@@ -191,6 +191,8 @@ def test_the_script_runs_draws_its_schedule_and_exits_cleanly(tmp_path):
     ([], {"RANK": "0", "WORLD_SIZE": "1"}, "1 ranks: a pipeline needs 2 or more"),
     (["--n_layer", "2"], {"RANK": "0", "WORLD_SIZE": "3"}, "a block for each (--n_layer 2)"),
     (["--micro_batches", "2"], {"RANK": "0", "WORLD_SIZE": "3"}, "--micro_batches 3 at least"),
+    (["--schedule", "zb", "--micro_batches", "5", "--batch_size", "10"], {"RANK": "0", "WORLD_SIZE": "2"},
+     "--micro_batches 5 is not a multiple of its 2"),
 ])
 def test_bad_input_is_one_line(argv, env, message):
     assert_one_line(*run_main("pipeline_parallel.py", *argv, env=env)[::2], message)
