@@ -12,7 +12,9 @@ count run one after the other on the same machine; compare within a row of stage
 Explained in docs/zero_bubble.md.
 """
 import argparse
+import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -28,17 +30,21 @@ KEPT = re.compile(r"at most (\d+) of \d+ micro-batches")
 def run(schedule: str, stages: int, args: argparse.Namespace) -> tuple[list[float], list[float], float, int]:
     """(each step's idle fraction, each step's time in ms, the formula's idle fraction, the most micro-batches a
     stage held) of one torchrun."""
+    here = os.path.dirname(os.path.abspath(__file__))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(stages),
-           "pipeline_parallel.py", "--schedule", schedule, "--micro_batches", str(args.micro_batches),
-           "--batch_size", str(args.sequences * args.micro_batches), "--n_embd", str(args.n_embd),
-           "--steps", str(args.steps)]
+           os.path.join(here, "pipeline_parallel.py"), "--schedule", schedule,
+           "--micro_batches", str(args.micro_batches), "--batch_size", str(args.sequences * args.micro_batches),
+           "--n_embd", str(args.n_embd), "--steps", str(args.steps)]
     try:
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired:
         die(f"{schedule} at {stages} stages took more than 300 s", 1)
+    except KeyboardInterrupt:  # torchrun, in this terminal's process group, got it too and passes it on
+        die(f"stopped by Ctrl-C during {schedule} at {stages} stages", 130)
     lines = IDLE.findall(result.stdout)
-    if result.returncode or len(lines) != args.steps:
-        die(f"{schedule} at {stages} stages failed: {(result.stderr.strip().splitlines() or ['no output'])[-1]}", 1)
+    if result.returncode or len(lines) != args.steps:  # the workers' own error line, not torchrun's box after it
+        said = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
+        die(f"{schedule} at {stages} stages failed: {said[0] if said else 'exit code ' + str(result.returncode)}", 1)
     return ([float(idle) for idle, _, _ in lines], [float(ms) for _, ms, _ in lines], float(lines[0][2]),
             max(map(int, KEPT.findall(result.stdout))))
 
@@ -64,6 +70,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    # Stopped by SIGTERM, this process exits, and subprocess.run kills the run's torchrun on the way out
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     print(f"# {machine(torch.device('cpu'))}; m = {args.micro_batches} micro-batches of {args.sequences} "
           f"sequences, n_embd {args.n_embd}, 8 blocks; idle fraction over {args.steps} steps: median (min-max)")
     print(f"{'stages':>6} | {'schedule':>8} | {'idle measured':>17} | {'formula':>7} | {'step ms':>7} | most "

@@ -145,16 +145,16 @@ def sent_per_rank(method: str, world_size: int, local: torch.Tensor) -> int:
     The ring: k and v N - 1 times forward, k, v, dk and dv N times backward. Ulysses: of q, k, v and the output
     forward, and of their gradients backward, all but the part it keeps, (N - 1)/N."""
     if method == "ring":
-        return (2 * (world_size - 1) + 4 * world_size) * local.nbytes
+        return (2 * (world_size - 1) + 4 * world_size) * local.nbytes if world_size > 1 else 0
     return 8 * (world_size - 1) * local.nbytes // world_size
 
 
-def work(rank: int, world_size: int, seq_len: int, zigzag: bool) -> int:
+def work(rank: int, world_size: int, seq_len: int, zigzag: bool, causal: bool = True) -> int:
     """Attention scores this rank computes: its pairs of chunks with every rank's, chunk × chunk each."""
     size = seq_len // (2 * world_size if zigzag else world_size)
     mine = chunk_starts(rank, world_size, seq_len, zigzag)
     return sum(size * size for r in range(world_size)
-               for _ in pairs(mine, chunk_starts(r, world_size, seq_len, zigzag)))
+               for _ in pairs(mine, chunk_starts(r, world_size, seq_len, zigzag), causal))
 
 
 def parse_args() -> argparse.Namespace:
@@ -202,7 +202,8 @@ def check(args: argparse.Namespace, rank: int, world_size: int) -> float:
         compared = [(out, mine(F.scaled_dot_product_attention(q, k, v, is_causal=causal)))]
         compared += [(t.grad, mine(whole.grad)) for t, whole in zip(local, (q, k, v), strict=True)]
         error = torch.stack([(a[:, :, real] - b[:, :, real]).abs().max() for a, b in compared]).max().item()
-    works = [work(rank, world_size, -(-args.seq_len // n) * n, n > world_size) for n in (world_size, 2 * world_size)]
+    works = [work(rank, world_size, -(-args.seq_len // n) * n, n > world_size, causal)
+             for n in (world_size, 2 * world_size)]
     heads = args.n_head // world_size  # under Ulysses, this rank's heads between the two all-to-alls
     layout = (f"ulysses, heads {list(range(rank * heads, (rank + 1) * heads))} over every token"
               if args.method == "ulysses"
@@ -210,7 +211,8 @@ def check(args: argparse.Namespace, rank: int, world_size: int) -> float:
     print(f"[rank {rank}/{world_size}] {layout}: out, dq, dk, dv {error:.1e} from one process's | "
           + (f"scores computed: {works[0]:,} contiguous, {works[1]:,} zigzag | " if args.method == "ring" else "")
           + f"bytes sent: ring {sent_per_rank('ring', world_size, local[0]):,}, ulysses "
-          f"{sent_per_rank('ulysses', world_size, local[0]):,}\n", end="", flush=True)
+          + (f"{sent_per_rank('ulysses', world_size, local[0]):,}" if args.n_head % world_size == 0 else "(heads)")
+          + "\n", end="", flush=True)
     if not error <= TOLERANCE:  # not >: a NaN passes no comparison
         raise SystemExit(f"error: rank {rank} differs from one process by {error:.1e} (tolerance {TOLERANCE:.0e})")
     return error

@@ -85,15 +85,13 @@ def main() -> None:
     if args.world_size < 1 or args.repeats < 1:
         parser.error("--world_size and --repeats must be at least 1")
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-    train_parser = argparse.ArgumentParser(add_help=False)  # train.py's defaults; the last one given wins
-    for name, default in (("--batch_size", 8), ("--seq_len", 64), ("--vocab_size", 64)):
-        train_parser.add_argument(name, type=int, default=default)
-    train_parser.add_argument("--model", choices=CONFIGS, default="tiny")
-    known = train_parser.parse_known_args(train_args)[0]
-    config = GPTConfig(known.vocab_size, known.seq_len, **CONFIGS[known.model])
+    import train  # gpt/train.py, for its parser: importing it starts nothing
+
+    known = train.parse_args(train_args)  # train.py's own checks, before anything runs: one line for a bad value
+    config = GPTConfig(64, known.seq_len, **CONFIGS[known.model])  # a block's bytes: the vocabulary plays no part
     print(f"machine: {bench.machine()}")
-    print(f"one block of --model {known.model}, {known.batch_size} sequences of {known.seq_len} tokens, fp32: the "
-          f"bytes kept for backward (H = {known.batch_size * known.seq_len * config.n_embd:,} numbers)")
+    print(f"one block of --model {known.model}, {known.batch_size} sequences of {known.seq_len} tokens, measured in "
+          f"fp32: the bytes kept for backward (H = {known.batch_size * known.seq_len * config.n_embd:,} numbers)")
     rows = {mode: kept_per_block(config, known.batch_size, mode) for mode in MODES}
     h = 4 * known.batch_size * known.seq_len * config.n_embd
     for mode, held in rows.items():

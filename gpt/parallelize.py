@@ -138,9 +138,10 @@ def checkpoint_blocks(model: GPT, mode: str) -> None:
     anyway, the block before's output), and runs again in backward; selective: it keeps KEEP's results too. Each
     block's forward is wrapped where it is, so its parameters keep their names and FSDP's and tp's hooks, on the
     block's call and its modules', run around it: FSDP gathers the block's weights before its backward, which
-    recomputes inside. Non-reentrant (use_reentrant=False), as torch recommends: it records the graph, so every
-    way of running backward works (the pipeline schedules' autograd.grad over chosen inputs among them; the
-    reentrant kind takes only a plain backward), and it stops recomputing once what backward needs is rebuilt."""
+    recomputes inside. Non-reentrant (use_reentrant=False), as torch recommends: it records the graph, so a backward
+    over chosen inputs works (the pipeline schedules' autograd.grad; the reentrant kind takes only a plain
+    backward), and it stops recomputing once what backward needs is rebuilt. Selective keeps its results for one
+    backward: train.py refuses it under the schedules that run two (the input's, then the weights')."""
     if mode == "none":
         return
     context = {"context_fn": functools.partial(create_selective_checkpoint_contexts, keep_matmuls)}

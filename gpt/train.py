@@ -147,6 +147,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.pp_schedule = args.pp_schedule or ("1F1B" if args.pp > 1 else None)  # None: no pipeline, in the checkpoint
     if args.pp > 1 and args.parallel == "ddp":
         p.error(f"--pp {args.pp} needs --parallel fsdp or hsdp (pp alone: --parallel fsdp --pp N on N ranks)")
+    if args.activation_checkpoint == "selective" and args.pp_schedule in pipeline.SPLIT_BACKWARD:  # torch 2.13
+        p.error(f"--activation_checkpoint selective keeps its results for one backward, and --pp_schedule "
+                f"{args.pp_schedule} runs two (the input's, then the weights'): use full there")
     if args.pp > 1 and args.precision == "fp16":  # the schedule runs each backward: no GradScaler can scale it
         p.error(f"--pp {args.pp} runs in fp32 or bf16: fp16's loss scaling is not in torch's pipeline schedules")
     if args.tp > 1 and args.parallel == "ddp":  # DDP takes no DTensor parameters: parallelize.tensor_parallel

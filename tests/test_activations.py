@@ -8,6 +8,7 @@ import pytest
 from test_gpt import import_gpt
 
 activations = import_gpt("activations")
+import_gpt("train")  # which activations.main() imports for train.py's parser, gpt/ being off the path by then
 SIZES = [(activations.GPTConfig(64, 64, **activations.CONFIGS["tiny"]), 8),
          (activations.GPTConfig(96, 40, **activations.CONFIGS["mini"]), 3)]
 
@@ -51,7 +52,7 @@ def test_the_script_prints_each_mode_measured_beside_the_formula():
     assert all(row[1] == row[4] for row in rows)  # measured == by formula
 
 
-@pytest.mark.parametrize("argv", [["--world_size", "0"], ["--repeats", "0"]])
+@pytest.mark.parametrize("argv", [["--world_size", "0"], ["--repeats", "0"], ["--", "--batch_size", "0"]])
 def test_bad_input_is_one_line(argv):
     code, _, stderr = run_main(*argv)
     assert code == 2 and "must be at least 1" in stderr.splitlines()[-1] and "Traceback" not in stderr

@@ -23,7 +23,8 @@ def canned(idle: dict[str, list[float]], code: int = 0):
         lines += [f"step {s} | loss 4.0 (one process: 4.0) | idle {value:.2f} of {100 + s} ms, "
                   f"(p-1)/({'3' * (k == 3)}m+p-1) = {(stages - 1) / (k * m + stages - 1):.2f}"
                   for s, value in enumerate(idle[schedule])]
-        return subprocess.CompletedProcess(command, code, "\n".join(lines) + "\n", "error: it broke\n")
+        box = "=" * 60  # torchrun's report of a failed worker ends in one
+        return subprocess.CompletedProcess(command, code, "\n".join(lines) + "\n", f"error: it broke\n{box}\n")
     return run
 
 
