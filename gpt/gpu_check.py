@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CHECKS = ("ddp", "fsdp", "fp16", "sigterm", "profile")
+CHECKS = ("ddp", "fsdp", "fp16", "sigterm", "profile", "checkpoint")
 GPT2 = ["--model", "gpt2", "--seq_len", "1024", "--batch_size", "8", "--precision", "bf16", "--lr", "6e-4",
         "--warmup_steps", "10", "--val_tokens", "8192"]
 SMALL = ["--model", "small", "--seq_len", "256", "--batch_size", "16", "--eval_every", "1000000",
@@ -49,6 +49,10 @@ def commands(out: str) -> dict[str, list[list[str]]]:
                     for parallel in ("ddp", "fsdp")],
         "profile": [[*GPT2, "--data", data, "--max_steps", "16", "--log_every", "4", "--eval_every", "1000000",
                      "--profile", "11:14", "--out_dir", os.path.join(out, "profile")]],
+        "checkpoint": [[*GPT2, "--data", data, "--parallel", "fsdp", "--max_steps", "10", "--log_every", "5",
+                        "--eval_every", "1000000", "--activation_checkpoint", mode,
+                        "--out_dir", os.path.join(out, f"checkpoint_{mode}")]
+                       for mode in ("none", "selective", "full")],
     }
 
 
@@ -112,6 +116,18 @@ def check(name: str, runs: list[list[str]], out: str, timeout: float) -> tuple[b
         resumed = f"step {stopped[1]} of 1000" in second and re.search(r"^step 1000 \| val_loss", second, re.M)
         return bool(resumed), f"stopped after step {stopped[1]}, " + ("resumed under fsdp to step 1000" if resumed
                                                                       else f"no resume (see {logs[1]})")
+    if name == "checkpoint":  # each mode of --activation_checkpoint: the same losses, and less memory than the last
+        seen = {}
+        for argv, log in zip(runs, logs, strict=True):
+            output, out_dir = finish(torchrun(argv, log), log, timeout), argv[argv.index("--out_dir") + 1]
+            if "error:" in output or not os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
+                return False, f"failed (see {log})"
+            logged = [r for r in records(out_dir) if "loss" in r]
+            seen[argv[argv.index("--activation_checkpoint") + 1]] = (logged[-1]["loss"],
+                                                                     max(r["peak_allocated_gib"] for r in logged))
+        losses, peaks = zip(*seen.values(), strict=True)  # none, selective, full
+        return all(abs(loss - losses[0]) <= 1e-2 * losses[0] for loss in losses) and peaks[0] > peaks[1] > peaks[2], \
+            ", ".join(f"{mode}: loss {loss:.4f}, peak {peak:.2f} GiB" for mode, (loss, peak) in seen.items())
     output = finish(torchrun(runs[0], logs[0]), logs[0], timeout)
     out_dir = runs[0][runs[0].index("--out_dir") + 1]
     if not os.path.exists(os.path.join(out_dir, "metrics.jsonl")) or "error:" in output:
