@@ -12,6 +12,7 @@ reads no allocator. Explained in docs/activation_checkpointing.md.
 """
 import argparse
 import os
+import signal
 import statistics
 import sys
 
@@ -103,10 +104,17 @@ def main() -> None:
     print(f"train.py {' '.join(bench.DEFAULTS + train_args)} on {args.world_size} rank(s), modes interleaved: "
           f"tokens/s, median of {args.repeats} runs (min, max), and the time a step costs against none's")
     speeds = {mode: [] for mode in MODES}
-    for _ in range(args.repeats):  # interleaved: a drift in the machine's speed touches every mode alike
-        for mode in MODES:
-            speeds[mode].append(statistics.median(bench.run(args.world_size, [*train_args, "--activation_checkpoint",
-                                                                               mode], threads)))
+    # Stopped by SIGTERM, this process exits, and subprocess.run kills the run's torchrun on the way out (train.py's
+    # ranks follow it: they ask Linux for a SIGTERM when it dies)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        for _ in range(args.repeats):  # interleaved: a drift in the machine's speed touches every mode alike
+            for mode in MODES:
+                speeds[mode].append(statistics.median(bench.run(args.world_size, [*train_args,
+                                                                                  "--activation_checkpoint", mode],
+                                                                threads)))
+    except KeyboardInterrupt:  # torchrun, in this terminal's process group, got it too and passes it on
+        raise SystemExit("error: stopped by Ctrl-C") from None
     for mode in MODES:
         extra = sorted(none / mine - 1 for none, mine in zip(speeds["none"], speeds[mode], strict=True))
         print(f"{mode:>10} {statistics.median(speeds[mode]):>10,.0f} tokens/s ({min(speeds[mode]):,.0f}, "
