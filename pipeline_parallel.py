@@ -96,8 +96,10 @@ def run_schedule(stage: Stage, order: list, inputs: list, targets: list, rank: i
     kept, received, sends, timeline, loss, most = {}, {}, [], [], 0.0, 0
     split, outputs, waiting = any(kind == "W" for kind, _ in order), {}, {}  # zero bubble: the weight pass apart
     owners = [module for module in stage.modules() if any(True for _ in module.parameters(recurse=False))]
+    # Each weight's module output, where its weight pass starts, kept under the micro-batch whose forward runs: the
+    # hook reads `i` when it fires (the loop's below), not when it is made.
     hooks = [module.register_forward_hook(lambda module, _, out: outputs[i].append((module, out)))
-             for module in owners] if split else []  # each weight's module output: where its weight pass starts
+             for module in owners] if split else []
     for kind, i in order:
         if kind == "F":
             x, outputs[i] = inputs[i] if stage.first else torch.empty(shape), []
