@@ -1,4 +1,5 @@
-"""Tokens per second of train.py at several world sizes on one machine, and the scaling efficiency.
+"""Tokens per second of train.py at several world sizes on one machine, and the scaling efficiency; or instead
+what saving, the stop agreement, tp, pp or (--host) a step's host work costs.
 
     python gpt/bench.py                                  # 1, 2 and 4 ranks of the tiny model on CPUs
     python gpt/bench.py --world_sizes 1 8 -- --model gpt2 --data DIR --seq_len 1024 --precision bf16
@@ -7,6 +8,7 @@
     python gpt/bench.py --world_sizes 2 4 --stop_agreement  # what agreeing on a stop costs a step
     python gpt/bench.py --world_sizes 4 --tp 1 2 4          # fsdp 4, fsdp 2 × tp 2, tp 4: tokens/s and bytes
     python gpt/bench.py --world_sizes 2 --pp GPipe 1F1B ZBVZeroBubble -- --grad_accum 8  # the bubble, measured
+    python gpt/bench.py --host                           # what a step costs the host, per layout
 
 Each world size runs train.py under torchrun `--repeats` times with the same per-rank batch (weak
 scaling), in a temporary --out_dir, and reads tokens_per_s from its metrics.jsonl, leaving out the
@@ -16,7 +18,7 @@ N × tokens/s at one rank: 100% is perfect scaling. On a CPU each rank gets core
 the comparison is fair; on GPUs each rank has its own device. Arguments after `--` go to train.py.
 --stop_agreement times instead a step of the model's own compute (no gradient all-reduce: the
 agreement's cost is not hidden behind it) alone, with a blocking all-reduce of the stop flag after
-every step (how train.py agreed before), and with train.StopRequest's: asynchronous, about once a second.
+every step (how train.py agreed before), and with stop.StopRequest's (train.py's): asynchronous, about once a second.
 """
 import argparse
 import json
@@ -65,9 +67,8 @@ def stop_worker(steps: int, repeats: int) -> None:
     """Under torchrun: each rank's mean time of a step of the tiny model's forward, backward and AdamW
     step, alone and then with each way to agree on a stop; rank 0 prints the slowest rank's as JSON."""
     sys.path.insert(0, HERE)
-    import train  # gpt/train.py: importing it starts nothing
-
     from model import CONFIGS, GPT, GPTConfig
+    from stop import StopRequest
 
     dist.init_process_group("gloo")
     model = GPT(GPTConfig(vocab_size=64, seq_len=64, **CONFIGS["tiny"]))
@@ -76,7 +77,7 @@ def stop_worker(steps: int, repeats: int) -> None:
     times = {"alone": [], "blocking": [], "async": []}
     for _ in range(repeats):
         for way in times:  # interleaved: a drift in the machine's speed touches every way alike
-            stop = None if way == "alone" else train.StopRequest(60.0, blocking=way == "blocking")
+            stop = None if way == "alone" else StopRequest(60.0, blocking=way == "blocking")
             dist.barrier()
             started = time.perf_counter()
             for _ in range(steps):
@@ -181,6 +182,29 @@ def pipelined(world_size: int, schedules: list[str], train_args: list[str], repe
               f"{' '.join(f'{s}:{held[s]}' for s in sorted(held, key=int))}", flush=True)
 
 
+# --host: a model too small to compute anything (tiny, 8 tokens, one sequence): a step's time is what every step
+# pays on the host (the launch, dispatch and hooks, the optimizer, clipping, data and bookkeeping), per layout
+HOST_SHAPE = ["--model", "tiny", "--seq_len", "8", "--batch_size", "1"]
+HOST_LAYOUTS = {"ddp": (1, []), "fsdp": (1, ["--parallel", "fsdp"]),
+                "fsdp 1 × tp 2": (2, ["--parallel", "fsdp", "--tp", "2"]),
+                "fsdp 1 × pp 2": (2, ["--parallel", "fsdp", "--pp", "2", "--grad_accum", "2"])}
+
+
+def host_cost(train_args: list[str], repeats: int, cores: int) -> None:
+    """Each of HOST_LAYOUTS' step time on HOST_SHAPE, in ms: the median of a run's log intervals, then of the
+    runs (interleaved, so that a drift in the machine's speed touches every layout alike), with min and max."""
+    print(f"{'layout':>14} {'ranks':>5} {'ms per step (median)':>21} {'min':>7} {'max':>7}")
+    times = {name: [] for name in HOST_LAYOUTS}
+    for repeat in range(repeats):
+        for name, (world_size, layout) in HOST_LAYOUTS.items():
+            tokens = 8 * (2 if "--pp" in layout else 1)  # a step's tokens: the pipeline takes two micro-batches
+            speeds = run(world_size, [*HOST_SHAPE, *layout, *train_args], max(1, cores // world_size))
+            times[name].append(1e3 * tokens / statistics.median(speeds))
+            if repeat == repeats - 1:
+                print(f"{name:>14} {world_size:>5} {statistics.median(times[name]):>18.2f} ms {min(times[name]):>7.2f} "
+                      f"{max(times[name]):>7.2f}", flush=True)
+
+
 def cost(with_it: list[float], without: list[float], alone: float) -> str:
     """The median extra time per step, in us and as a share of a step alone, [min, max]."""
     extra = sorted(1e6 * (t - a) for t, a in zip(with_it, without, strict=True))
@@ -199,7 +223,7 @@ def machine() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world_sizes", type=int, nargs="+", default=[1, 2, 4], help="ranks per run")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per world size")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per world size (--host: per layout)")
     parser.add_argument("--save_every", type=int, help="also run each world size with checkpoints this often, and "
                                                         "print what the saves cost")
     parser.add_argument("--resume", action="store_true", help="also compare a run resumed at its --max_steps (60) "
@@ -212,6 +236,10 @@ def main() -> None:
     parser.add_argument("--pp", nargs="+", choices=pipeline.SCHEDULES, help="instead: --pp at the last of "
                         "--world_sizes with each of these schedules:\nthe time each stage waits, against the "
                         "formula, and the micro-batches it holds")
+    parser.add_argument("--host", action="store_true", help="instead: the host's time per step of ddp and fsdp at 1 "
+                        "rank, fsdp 1 × tp 2 and\nfsdp 1 × pp 2 at 2, on a model too small to compute anything "
+                        "(tiny, one sequence\nof 8 tokens); --world_sizes is not used. Each row prints when its "
+                        "last run ends;\nabout 20 s a run on 2 idle cores")
     parser.add_argument("--timelines", help="with --pp: keep each schedule's pp_timeline.json in this folder")
     parser.add_argument("--stop_worker", type=int, help=argparse.SUPPRESS)  # stop_agreement's ranks, under torchrun
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: train.py's own arguments")
@@ -230,6 +258,9 @@ def main() -> None:
     print(f"machine: {machine()}")
     if args.stop_agreement:
         return stop_agreement(args.world_sizes, args.repeats, cores)
+    if args.host:
+        print(f"train.py {' '.join(DEFAULTS + HOST_SHAPE + train_args)}, each layout interleaved, {args.repeats} runs")
+        return host_cost(train_args, args.repeats, cores)
     if args.pp:
         print(f"train.py {' '.join(DEFAULTS + train_args)} on {args.world_sizes[-1]} ranks: --model mini and "
               "--grad_accum 8 unless given, --parallel fsdp --pp N (one pipeline)")

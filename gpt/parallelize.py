@@ -24,6 +24,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import pipeline
 from model import GPT, GPTConfig
+from optimizer import clip, grad_norm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # --activation_checkpoint selective keeps what these return (the matrix products, attention on CPU and on GPUs) and
@@ -161,7 +162,7 @@ def tensor_parallel(model: GPT | pipeline.Stage, mesh: DeviceMesh) -> None:
     along the sequence; the norms and the residual stream hold 1/tp of the sequence, all-gathered before
     attention and the MLP. The embeddings and the tied head are split over the vocabulary (wpe over the
     positions), the cross-entropy computed on the vocabulary's shards (loss_context). Every parameter
-    becomes a DTensor on the tp mesh, so that clip_grad_norm_ sees one kind of tensor. DDP takes no DTensor
+    becomes a DTensor on the tp mesh, so that optimizer.grad_norm sees one kind of tensor. DDP takes no DTensor
     parameters (torch composes the two only through a private transform, _pre_dp_module_transform in
     torch/distributed/tensor/parallel/ddp.py), so train.py refuses ddp × tp: fsdp × tp is the layout for it."""
     whole = tp.PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
@@ -241,11 +242,12 @@ def loss_context(mesh: DeviceMesh | None):
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """The gradient's global norm (on the device), after clipping it to max_norm (0: no clipping). Sharded,
-    each rank's norm is of its shards: full_tensor() all-reduces them over each dimension of the mesh (a
-    (shard, tp) mesh: two all-reduces, one after the other, which torch warns could be one)."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    """The gradient's global norm (on the device), before clipping it to max_norm (0: no clipping)."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = grad_norm(grads, isinstance(params[0], DTensor), params[0].device)
+    clip(grads, max_norm, norm)
+    return norm
 
 
 def compile_model(model: GPT) -> None:

@@ -25,6 +25,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from torch.distributed.tensor import DTensor
 
 from model import GPT, GPTConfig
+from optimizer import clip, grad_norm
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")  # rank r holds stages r and 2p - 1 - r; the others, r and r + p
@@ -280,11 +281,8 @@ class Pipeline:
         """As parallelize.clip_gradients, over every stage: each rank's squared norm (the head's copy of the tied
         matrix left out: counted once) added over the pipeline, then every gradient clipped by the one norm."""
         grads = [p.grad for p in self.parameters() if p.grad is not None and p is not self.head]
-        norm = torch.nn.utils.get_total_norm(grads)
-        norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
-        dist.all_reduce(norm, group=self.pp_group)
-        norm = norm.sqrt()
-        torch.nn.utils.clip_grads_with_norm_(list(self.parameters()), max_norm if max_norm > 0 else float("inf"), norm)
+        norm = grad_norm(grads, True, next(self.parameters()).device, across=self.pp_group)
+        clip([p.grad for p in self.parameters() if p.grad is not None], max_norm, norm)
         return norm
 
     def full_state_dict(self) -> dict | None:

@@ -24,7 +24,6 @@ import ctypes
 import gc
 import json
 import math
-import resource
 import signal
 import sys
 import time
@@ -35,26 +34,23 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
 import parallelize
 import pipeline
 from checkpoint import Checkpoints
+from checks import check_input, weights_are_finite
+from metrics import open_metrics, peak_flops, peak_memory
 from model import CONFIGS, GPT, GPTConfig, export
+from optimizer import make_optimizer
 from parallelize import DTYPES
+from stop import StopRequest
 
 # What a checkpoint records of the run that wrote it; a resume with other values says so in one line.
 RUN = ("data", "max_steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "seed", "batch_size",
        "grad_accum", "parallel", "tp", "pp", "pp_schedule", "precision")
 GC_EVERY = 100  # steps between garbage collections, on every rank at once
-# Dense bf16 tensor-core peak per GPU in TFLOP/s (NVIDIA's datasheets give twice these, with sparsity); TF32 is
-# half of it. The first key found in the device's name wins: a variant before its family's name.
-PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200 NVL": 835.0, "H200": 989.0,
-                    "A100": 312.0, "GB200": 2500.0, "B200": 2250.0}
-
-
 def steps_range(text: str) -> tuple[int, int]:
     """--profile's A:B: the first and last step to trace, 1 <= A <= B."""
     first, _, last = text.partition(":")
@@ -214,22 +210,6 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     return min_lr + 0.5 * (args.lr - min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def make_optimizer(model: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> torch.optim.Optimizer:
-    params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},  # matrices
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # biases, norms
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
-
-
-def weights_are_finite(parameters) -> bool:
-    """Whether every rank's weights (its shards, under FSDP) are finite: one all-reduce. A finite loss
-    and gradient can still step the weights to inf or nan (a huge lr or weight decay)."""
-    flag = torch.stack([torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()
-                        for p in parameters]).all().to(torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
 @torch.no_grad()
 def evaluate(model: torch.nn.Module | pipeline.Pipeline, tokens: data.Tokens, starts, args: argparse.Namespace, mesh,
              dp_rank: int, dp_size: int, device: torch.device, autocast) -> float:
@@ -268,197 +248,6 @@ def evaluate(model: torch.nn.Module | pipeline.Pipeline, tokens: data.Tokens, st
     dist.all_reduce(totals)  # every rank's sums: the mean over the whole set
     model.train()
     return (totals[0] / totals[1]).item()
-
-
-def peak_flops(args: argparse.Namespace, device: torch.device) -> float | None:
-    """Peak FLOP/s of one GPU for MFU: --peak_tflops, else from the device's name, else unknown."""
-    if args.peak_tflops:
-        return args.peak_tflops * 1e12
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    bf16 = next((tflops for key, tflops in PEAK_BF16_TFLOPS.items() if key in name), None)
-    if bf16 is None:
-        return None
-    return bf16 * 1e12 / (2 if args.precision == "fp32" else 1)
-
-
-def peak_memory(device: torch.device) -> tuple[dict, str]:
-    """(the metrics' fields, the log line's words): the largest peak of any rank in GiB, CUDA's most
-    allocated and reserved (what a GPU user tunes first), or on a CPU the process's peak resident set.
-    One all-reduce (max): every rank calls it."""
-    if device.type == "cuda":
-        names = ("peak_allocated_gib", "peak_reserved_gib")
-        peaks = [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)]
-    else:
-        names = ("peak_rss_gib",)  # getrusage's ru_maxrss is in KiB on Linux, in bytes on macOS
-        peaks = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)]
-    largest = torch.tensor(peaks, dtype=torch.float64, device=device)
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    fields = dict(zip(names, (value / 2**30 for value in largest.tolist()), strict=True))
-    words = " / ".join(f"{value:.2f}" for value in fields.values())
-    return fields, f"mem {words} GiB" + (" (allocated / reserved)" if device.type == "cuda" else " (rss)")
-
-
-def check_input(args: argparse.Namespace, tokens: data.Tokens, rank: int, world_size: int,
-                device: torch.device) -> None:
-    """Bad data or paths stop every rank alike, before any step, with one line (a ValueError).
-
-    Every token id must fit the vocab: an embedding fed one that does not fails with a cryptic
-    device-side error, possibly hours in. The ranks scan a share of each file each, and an
-    all-reduce (max) tells all of them; once per OUT_DIR and file: its largest id is kept there for
-    the next start, which reads only a file changed since (data.remembered). Rank 0 tries --out_dir
-    and --export, and tells the others; then every rank looks for the file rank 0 wrote there: DCP
-    writes each rank's shard into one folder, so OUT_DIR must be one that every rank shares (on
-    several nodes, a shared file system)."""
-    data.check(tokens, args.seq_len)
-    largest, unread = [], []
-    if tokens.files:  # none for synthetic: its ids are below its vocab by construction
-        # Rank 0's view of the kept ids decides for every rank: all then read the same files and join
-        # the same all-reduce, or none does (a rank that judged alone could skip it and hang the others).
-        kept = [data.remembered(args.out_dir, tokens.files) if rank == 0 else None]
-        dist.broadcast_object_list(kept, src=0)
-        largest = kept[0]
-        unread = [i for i, n in enumerate(largest) if n is None]
-        if unread:
-            found = torch.tensor([data.largest_id(tokens.files[i].tokens, rank, world_size) for i in unread],
-                                 device=device)
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)  # each rank read a share of each file
-            for i, n in zip(unread, found.tolist(), strict=True):
-                largest[i] = n
-        if max(largest) >= tokens.vocab_size:
-            raise ValueError(f"--data {tokens.name}: token id {max(largest)} is outside the vocab of "
-                             f"{tokens.vocab_size}: set --vocab_size"
-                             + (", or --data_dtype uint32 if the files hold uint32 ids"
-                                if any(f.format == "raw uint16" for f in tokens.files) else ""))
-    problem = [None, None]  # (what is wrong, the file rank 0 wrote)
-    if rank == 0:
-        try:
-            os.makedirs(args.out_dir, exist_ok=True)
-            open(os.path.join(args.out_dir, "metrics.jsonl"), "a").close()
-            problem[1] = os.path.join(args.out_dir, f".probe-{os.urandom(6).hex()}")  # this job's alone
-            open(problem[1], "w").close()  # the folder takes new files
-            if args.export:
-                if os.path.isdir(args.export):
-                    raise IsADirectoryError(21, "is a folder", args.export)
-                open(args.export + ".tmp", "wb").close()  # the file export() will write, then rename
-                os.remove(args.export + ".tmp")
-        except OSError as error:
-            problem[0] = f"{error.filename}: {error.strerror}"
-    dist.broadcast_object_list(problem, src=0)  # every rank stops, or none does
-    unseen = torch.tensor(0 if problem[0] or os.path.exists(problem[1]) else rank + 1, device=device)
-    dist.all_reduce(unseen, op=dist.ReduceOp.MAX)  # after it every rank has looked: rank 0 may remove the file
-    if rank == 0 and problem[1] and os.path.exists(problem[1]):
-        os.remove(problem[1])
-    if problem[0]:
-        raise ValueError(problem[0])
-    if unseen.item():
-        raise ValueError(f"--out_dir {args.out_dir}: rank {unseen.item() - 1} does not see the file that rank 0 "
-                         "wrote there: checkpoints need a folder that every rank shares")
-    if rank == 0 and unread:  # no collective here; only once OUT_DIR passed: bad data or paths create nothing
-        try:
-            data.remember(args.out_dir, tokens.files, largest)
-        except OSError as error:  # costs the next start a read of the data, nothing more
-            print(f"the data's check is not kept in {args.out_dir}: {error}", flush=True)
-
-
-class StopRequest:
-    """SIGTERM (a preemption: Slurm and Kubernetes send it first, and torchrun passes it on to its
-    workers, then kills them 30 s later), SIGINT or SIGHUP (a closed terminal or ssh session; torchrun
-    passes it on too), noted by a handler and agreed by every rank at a step boundary, so that all
-    stop after the same step and save it. A worker often gets the signal twice (from Slurm and from
-    torchrun; Linux's parent-death signal once per re-parenting): the second changes nothing.
-    `kill -9` is the way to stop without saving.
-
-    The agreement costs no round trip per step. One all-reduce (max) carries each rank's signal and
-    how many steps it proposes until the next agreement (about SECONDS of its steps, at most twice
-    the last interval and MAX_STEPS; the fewest proposed wins); it starts at one agreement and is
-    read at the next, by when it has long arrived. Every rank reads the same numbers, so all agree
-    after the same steps and stop after the same one, at most two intervals after a signal: about
-    2 s of steps (two steps, where a step takes longer), inside torchrun's 30 s. A pause that could
-    outlast that, an evaluation, is followed by now(), a blocking agreement.
-    `blocking=True` is the old way, an all-reduce waited for after every step (gpt/bench.py compares)."""
-
-    SECONDS, MAX_STEPS = 1.0, 100
-
-    def __init__(self, timeout: float | None, blocking: bool = False) -> None:
-        self.signal, self.number, self.name, self.blocking = 0, 0, None, blocking
-        # A CPU flag: no device sync; not the checkpoint thread's group. new_group's timeout is not the world
-        # group's but the backend's default (30 minutes for gloo): a vanished host would stall the job that long.
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout) if timeout else None)
-        self.interval = self.steps_left = 1  # the first agreement: after the first step
-        self.since = time.perf_counter()
-        self.sent = None if blocking else self.send(1)
-        # A signal ignored when the run starts stays ignored: under nohup, SIGHUP.
-        self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-                         if signal.getsignal(sig) is not signal.SIG_IGN}
-
-    def handle(self, signum: int, frame) -> None:
-        self.signal = self.signal or signum
-
-    def send(self, steps: int) -> tuple[torch.Tensor, dist.Work]:
-        flag = torch.tensor([self.signal, -steps], dtype=torch.int64)  # max: any rank's signal, the fewest steps
-        return flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-
-    def agreed(self) -> bool:
-        """Whether every rank stops after this step: every rank calls it once after every step."""
-        if self.blocking:
-            flag, work = self.send(1)
-            work.wait()
-        else:
-            self.steps_left -= 1
-            if self.steps_left:
-                return False
-            flag, work = self.sent
-            work.wait()  # started an interval ago: long done, unless a rank lags (it waits, as any collective would)
-            now = time.perf_counter()
-            pace, self.since = (now - self.since) / self.interval, now  # this rank's seconds per step, lately
-            # at most twice the last interval: a pace measured over few steps (a GPU's host runs ahead) errs little
-            proposal = max(1, min(self.MAX_STEPS, 2 * self.interval, int(self.SECONDS / max(pace, 1e-6))))
-            self.interval = self.steps_left = int(-flag[1])  # proposed an interval ago: the same on every rank
-            self.sent = self.send(proposal)
-        return self.said(flag)
-
-    def now(self) -> bool:
-        """Whether every rank stops after this step, agreed at once (a blocking all-reduce, on the same
-        group: every rank's ops run in the order they were issued): after an evaluation, whose time could
-        otherwise stretch the wait for the next agreement past torchrun's 30 s."""
-        flag = torch.tensor([self.signal], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return self.said(flag)
-
-    def said(self, flag: torch.Tensor) -> bool:
-        self.number = int(flag[0])
-        self.name = signal.Signals(self.number).name if self.number else None
-        return bool(self.number)
-
-    def restore(self) -> None:
-        """The all-reduce in flight finished (every rank started it), then the handlers as they were."""
-        if self.sent is not None:
-            with contextlib.suppress(Exception):  # a peer that died: gloo has already failed the work
-                self.sent[1].wait()
-            self.sent = None
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-
-def open_metrics(out_dir: str, first_step: int):
-    """metrics.jsonl for appending, holding only the records up to `first_step`: a resumed run
-    drops what the run it resumes logged after its checkpoint, and logs those steps again."""
-    path = os.path.join(out_dir, "metrics.jsonl")
-    kept = []
-    if first_step and os.path.exists(path):
-        with open(path) as file:
-            for line in file:
-                try:
-                    if json.loads(line)["step"] <= first_step:
-                        kept.append(line)
-                except (ValueError, KeyError, TypeError):
-                    pass  # a line cut short by a crash
-    with open(path + ".tmp", "w") as file:
-        file.writelines(kept)
-    os.replace(path + ".tmp", path)
-    return open(path, "a", buffering=1)  # noqa: SIM115  (line-buffered: a crash loses no finished line)
 
 
 def resume(args: argparse.Namespace, checkpoints: Checkpoints, parts: list[torch.nn.Module],
@@ -504,6 +293,36 @@ def resume(args: argparse.Namespace, checkpoints: Checkpoints, parts: list[torch
     return manifest["step"]
 
 
+def train_step(model: torch.nn.Module | pipeline.Pipeline, optimizer: torch.optim.Optimizer,
+               scaler: torch.amp.GradScaler, autocast, mesh, batch: tuple[torch.Tensor, torch.Tensor], lr: float,
+               args: argparse.Namespace, loss_sum: torch.Tensor) -> torch.Tensor:
+    """One optimizer step on this rank's share of the batch, (inputs, targets) of --batch_size × --grad_accum
+    sequences: a forward and a backward per micro-batch (under --pp, the schedule runs them), the gradient's
+    norm clipped, the optimizer stepped. Adds the loss to loss_sum (on the device: no host sync) and returns the
+    gradient's norm before clipping, on the device too."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    x, y = batch
+    if isinstance(model, pipeline.Pipeline):  # loss_sum gains the micro-batches' mean on the last stage, 0 elsewhere
+        loss_sum += model.step(x, y)
+    for micro in range(0 if isinstance(model, pipeline.Pipeline) else args.grad_accum):
+        rows = slice(micro * args.batch_size, (micro + 1) * args.batch_size)
+        with parallelize.loss_context(mesh):  # tp: the forward's and the backward's cross-entropy
+            with parallelize.gradient_sync(model, micro == args.grad_accum - 1), autocast:
+                # each token's loss (batch × seq), in fp32; / grad_accum: the gradient of the mean over the
+                # micro-steps (the ranks' mean is DDP's or FSDP's)
+                loss = model(x[rows], y[rows]).mean() / args.grad_accum
+            scaler.scale(loss).backward()
+        loss_sum += loss.detach()
+    scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
+    pipe = model if isinstance(model, pipeline.Pipeline) else None
+    grad_norm = (pipe or parallelize).clip_gradients(*([] if pipe else [model]), args.grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
 def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> torch.nn.Module | int:
     """The trained model, or the number of the signal that stopped the run before --max_steps (it
     is saved)."""
@@ -529,7 +348,7 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
     dp_rank, dp_size = parallelize.data_rank(mesh, rank, world_size)  # a tp group's ranks read the same batch
     pipe = model if isinstance(model, pipeline.Pipeline) else None  # --pp: this rank's stages, and their schedule
     parts = pipe.parts if pipe else [model]
-    optimizers = [make_optimizer(part, args, device) for part in parts]  # a stage's state: its module's and its own
+    optimizers = [make_optimizer(part, args) for part in parts]  # a stage's state: its module's and its own
     optimizer = pipeline.Optimizers(optimizers) if pipe else optimizers[0]
     dtype = DTYPES[args.precision]
     # DDP computes in `dtype` under autocast; FSDP casts its weights through the policy instead.
@@ -606,27 +425,10 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
             if step % GC_EVERY == 0:
                 gc.collect()
             lr = lr_at(step, args)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
             starts = data.batch_starts(step, args.seed, len(tokens.train), args.seq_len, global_batch)
             mine = starts[dp_rank * args.batch_size * args.grad_accum:][:args.batch_size * args.grad_accum]
-            if pipe:  # the schedule runs the micro-batches: loss_sum gains their mean on the last stage, 0 elsewhere
-                loss_sum += pipe.step(*data.windows(tokens.train, mine, args.seq_len, device))
-            for micro in range(args.grad_accum if not pipe else 0):
-                x, y = data.windows(tokens.train, mine[micro * args.batch_size:][:args.batch_size], args.seq_len,
-                                    device)
-                with parallelize.loss_context(mesh):  # tp: the forward's and the backward's cross-entropy
-                    with parallelize.gradient_sync(model, micro == args.grad_accum - 1), autocast:
-                        # each token's loss (batch × seq), in fp32; / grad_accum: the gradient of the mean over
-                        # the micro-steps (the ranks' mean is DDP's or FSDP's)
-                        loss = model(x, y).mean() / args.grad_accum
-                    scaler.scale(loss).backward()
-                loss_sum += loss.detach()
-            scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
-            grad_norm = (pipe or parallelize).clip_gradients(*([] if pipe else [model]), args.grad_clip)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+            grad_norm = train_step(model, optimizer, scaler, autocast, mesh, data.windows(
+                tokens.train, mine, args.seq_len, device), lr, args, loss_sum)
             steps_since_log += 1
             done = step + 1 == args.max_steps
             # a signal to any rank stops every rank after this same step; at --max_steps the run is done anyway

@@ -22,7 +22,7 @@ def where(optimizer: torch.optim.Optimizer) -> list[dict[str, str]]:
 def resume(args, checkpoints, parts, optimizers, scaler, config, rank):
     step = _resume(args, checkpoints, parts, optimizers, scaler, config, rank)
     (model,), (optimizer,) = parts, optimizers  # no pipeline: one model, one optimizer
-    fresh = train.make_optimizer(model, args, next(model.parameters()).device)
+    fresh = train.make_optimizer(model, args)
     for group in fresh.param_groups:
         group["lr"] = 0.0  # a step that creates the state a fresh run's first step creates, and changes nothing
     for param in model.parameters():

@@ -607,6 +607,32 @@ def test_bench_prints_each_schedules_wait_beside_its_formula_and_the_micro_batch
         "the last of --world_sizes: it must be 2 or more", alone.stderr
 
 
+def test_bench_host_prints_each_layouts_time_per_step_from_its_runs_tokens_per_second(monkeypatch, capsys):
+    """--host: each layout's run (canned here: train.py's metrics.jsonl with its tokens/s) on the model too small to
+    compute anything, turned into ms per step (a step of 8 tokens, the pipeline's of 16), the median of the runs."""
+    bench = import_gpt("bench")
+    speeds = {"ddp": [8000, 4000], "fsdp": [4000, 4000], "fsdp 1 × tp 2": [2000, 1000], "fsdp 1 × pp 2": [4000, 2000]}
+    commands = []
+
+    def canned(command, **kwargs):
+        commands.append(command)
+        start = command.index("--seq_len") + 4  # after HOST_SHAPE: the layout's flags, then --out_dir
+        name = next(name for name, (_, layout) in bench.HOST_LAYOUTS.items()
+                    if command[start:command.index("--out_dir")] == layout)
+        speed = speeds[name].pop(0)
+        out_dir = command[command.index("--out_dir") + 1]
+        with open(os.path.join(out_dir, "metrics.jsonl"), "w") as file:  # the first interval is left out
+            file.writelines(json.dumps({"step": step, "tokens_per_s": speed}) + "\n" for step in (10, 20, 30))
+        return bench.subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(bench.subprocess, "run", canned)
+    bench.host_cost([], repeats=2, cores=2)
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [row[-5:] for row in rows] == [["1", "1.50", "ms", "1.00", "2.00"], ["1", "2.00", "ms", "2.00", "2.00"],
+                                          ["2", "6.00", "ms", "4.00", "8.00"], ["2", "6.00", "ms", "4.00", "8.00"]]
+    assert all("--model tiny --seq_len 8 --batch_size 1" in " ".join(c) for c in commands) and len(commands) == 8
+
+
 def test_bench_prints_what_saving_costs_and_compares_a_resumed_run_with_a_fresh_one():
     """Checkpoints every 4 steps against none, in runs beside each other; and a run resumed at its own
     --max_steps (12 here; 60 by default), then run to twice that, against the same steps of a fresh one."""
@@ -642,7 +668,7 @@ def fp16_inf_on_one_rank(rank: int, world_size: int, parallel: str, local_check:
     with torch.device("meta"):
         model = gpt_train.GPT(GPTConfig(vocab_size=64, seq_len=16, **CONFIGS["tiny"]))
     model = gpt_train.parallelize.parallelize_gpt(model, mesh, args, torch.device("cpu"))
-    optimizer = gpt_train.make_optimizer(model, args, torch.device("cpu"))
+    optimizer = gpt_train.make_optimizer(model, args)
     scaler = torch.amp.GradScaler("cpu")
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
     scaler.scale(model(x, x).mean()).backward()
