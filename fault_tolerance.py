@@ -14,6 +14,7 @@ against a lighthouse started apart (`torchft_lighthouse --min_replicas 1`). A cl
 """
 import argparse
 import ctypes
+import fcntl
 import os
 import re
 import signal
@@ -51,7 +52,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--step_time", type=float, default=0.1, help="seconds each step also sleeps, as if computing: "
                                                                  "time for a restarted replica to come back")
     p.add_argument("--diloco", type=int, metavar="H", help="DiLoCo: H local steps, then an outer step")
-    p.add_argument("--out_dir", help="each replica saves its final weights here, replica_R.pt")
+    p.add_argument("--out_dir", help="each replica saves its final weights here, replica_R.pt (one launcher a folder)")
     p.add_argument("--lighthouse_port", type=int, default=0, help="the lighthouse's port (default: a free one)")
     p.add_argument("--replica_id", type=int, help="be replica R alone, joining --lighthouse")
     p.add_argument("--lighthouse", help="a running lighthouse's address, http://HOST:PORT")
@@ -200,6 +201,12 @@ def diloco(args: argparse.Namespace, model, inner, manager: Manager, counted: li
 
 def launch(args: argparse.Namespace) -> int:
     """The lighthouse, and a process per replica; the one --kill names is started again when it dies."""
+    if args.out_dir:  # one launcher per folder, held till it exits: a second would overwrite replica_R.pt
+        lock = os.open(os.path.join(args.out_dir, "lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            sys.exit(f"error: --out_dir {args.out_dir} is in use by another launcher (it holds {args.out_dir}/lock)")
     try:
         lighthouse = LighthouseServer(bind=f"127.0.0.1:{args.lighthouse_port}", min_replicas=1,
                                       join_timeout_ms=200, heartbeat_timeout_ms=1000)

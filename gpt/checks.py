@@ -1,51 +1,115 @@
-"""What train.py checks before any step (the data, OUT_DIR, --export) and at a save (the weights), each the same on
-every rank: a ValueError, one line, and nothing trained or saved on bad input."""
+"""What train.py checks before any step (the layout, the data, OUT_DIR, --export) and at a save (the weights): a
+ValueError, one line, and nothing trained or saved on bad input. What some ranks find is every rank's error
+(agree): a host that cannot see the data stops the job with its cause, not with a closed connection elsewhere.
+
+The order: what each rank can see alone (the arguments, the layout, the data's headers and sizes), agreed; the
+same data on every rank, agreed; OUT_DIR made and tried; its lock (train.py); then the data read in full for
+the id check. A refused job has written nothing but OUT_DIR, and one refused for a held lock has read no data.
+"""
 import argparse
+import json
 import os
+import socket
+import sys
+import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import data
+import parallelize
+from model import CONFIGS, GPTConfig
 
 
-def check_input(args: argparse.Namespace, tokens: data.Tokens, rank: int, world_size: int,
-                device: torch.device) -> None:
-    """Bad data or paths stop every rank alike, before any step, with one line (a ValueError).
+class JobError(ValueError):
+    """An error that some ranks found, agreed by every rank (agree): `cause`, its line; `finders`, the ranks that
+    found it; `where`, each rank's host and node (torchrun's agent)."""
 
-    Every token id must fit the vocab: an embedding fed one that does not fails with a cryptic
-    device-side error, possibly hours in. The ranks scan a share of each file each, and an
-    all-reduce (max) tells all of them; once per OUT_DIR and file: its largest id is kept there for
-    the next start, which reads only a file changed since (data.remembered). Rank 0 tries --out_dir
-    and --export, and tells the others; then every rank looks for the file rank 0 wrote there: DCP
-    writes each rank's shard into one folder, so OUT_DIR must be one that every rank shares (on
-    several nodes, a shared file system)."""
-    data.check(tokens, args.seq_len)
-    largest, unread = [], []
-    if tokens.files:  # none for synthetic: its ids are below its vocab by construction
-        # Rank 0's view of the kept ids decides for every rank: all then read the same files and join
-        # the same all-reduce, or none does (a rank that judged alone could skip it and hang the others).
-        kept = [data.remembered(args.out_dir, tokens.files) if rank == 0 else None]
-        dist.broadcast_object_list(kept, src=0)
-        largest = kept[0]
-        unread = [i for i, n in enumerate(largest) if n is None]
-        if unread:
-            found = torch.tensor([data.largest_id(tokens.files[i].tokens, rank, world_size) for i in unread],
-                                 device=device)
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)  # each rank read a share of each file
-            for i, n in zip(unread, found.tolist(), strict=True):
-                largest[i] = n
-        if max(largest) >= tokens.vocab_size:
-            raise ValueError(f"--data {tokens.name}: token id {max(largest)} is outside the vocab of "
-                             f"{tokens.vocab_size}: set --vocab_size"
-                             + (", or --data_dtype uint32 if the files hold uint32 ids"
-                                if any(f.format == "raw uint16" for f in tokens.files) else ""))
+    def __init__(self, cause: str, finders: list[int], where: list[str]) -> None:
+        super().__init__(cause)
+        self.cause, self.finders, self.where = cause, finders, where
+
+    def who(self) -> str:
+        """The ranks that found it, by host: "ranks 2, 3 on hostb (node 1)"."""
+        hosts: dict[str, list[int]] = {}
+        for rank in self.finders:
+            hosts.setdefault(self.where[rank], []).append(rank)
+        return " and ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))} on {host}"
+                            for host, r in hosts.items())
+
+    def lines(self, rank: int) -> tuple[str | None, str]:
+        """(what this rank prints, or None; its line for torchrun). The cause is printed once, by the first rank
+        that found it, with the ranks that found it unless every rank did; on each host, the first rank that found
+        nothing says that it stopped for another. Every rank's line for torchrun names the cause: the agent's
+        summary of its failed workers shows it, on every host."""
+        if rank in self.finders:
+            everyone = len(self.finders) == len(self.where)
+            line = f"error: {self.cause}" + ("" if everyone else f" (found by {self.who()})")
+            return (line if rank == self.finders[0] else None), line
+        here = [r for r, host in enumerate(self.where) if host == self.where[rank] and r not in self.finders]
+        return (f"stopped: {self.who()} found an error" if rank == here[0] else None), \
+            f"stopped: {self.who()} found an error: {self.cause}"
+
+
+def report(error: ValueError, rank: int) -> None:
+    """An error's one line, as JobError.lines says (a plain ValueError: found alike by every rank, printed by rank
+    0), and the line in torchrun's error file for this worker, which its summary prints in place of a traceback."""
+    line = f"error: {error}"
+    printed, line = error.lines(rank) if isinstance(error, JobError) else (line if rank == 0 else None, line)
+    if printed:
+        print(printed, file=sys.stderr, flush=True)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as file:  # torch.distributed.elastic's format (ErrorHandler.record_exception)
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": str(int(time.time()))}}}, file)
+
+
+def agree(found: str | None) -> None:
+    """Every rank calls it at the same point, with what it found wrong (one line) or None: if any rank found
+    something, every rank raises the first such rank's cause as a JobError, naming every rank that found one."""
+    where = f"{socket.gethostname()} (node {os.environ.get('GROUP_RANK', '0')})"
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (found, where))
+    finders = [rank for rank, (cause, _) in enumerate(every) if cause is not None]
+    if finders:  # the first one's cause (others may have found others: they show once it is mended)
+        raise JobError(every[finders[0]][0], finders, [host for _, host in every])
+
+
+def arguments_and_data(args: argparse.Namespace, world_size: int) -> tuple[data.Tokens, GPTConfig]:
+    """(the data, the model's config), once every rank has looked at what it can see alone: the layout against
+    the model, and the data's files (their headers and sizes, none read in full), the same on every rank."""
+    tokens = config = found = None
+    try:
+        tokens = data.load(args.data, args.vocab_size, args.data_dtype)
+        config = GPTConfig(vocab_size=tokens.vocab_size, seq_len=args.seq_len, **CONFIGS[args.model])
+        parallelize.check_layout(args, config, world_size)
+        data.check(tokens, args.seq_len)
+    except ValueError as error:
+        found = str(error)
+    except OSError as error:  # a file this rank may not read
+        found = f"--data {error.filename or args.data}: {error.strerror}"
+    agree(found)
+    # The same files on every rank (a host whose copy differs, or lacks a shard, would train on other tokens):
+    # each rank compares its files' names, sizes and first and last bytes with rank 0's.
+    mine = data.fingerprint(tokens)
+    first = [mine]
+    dist.broadcast_object_list(first, src=0)
+    agree(None if mine == first[0] else f"--data {args.data}: {data.difference(mine, first[0])}")
+    return tokens, config
+
+
+def out_dir(args: argparse.Namespace, rank: int) -> None:
+    """OUT_DIR made, and tried: rank 0 makes it and writes a file there, which every rank must see (DCP writes
+    each rank's shard into one folder, so OUT_DIR must be one that every rank shares: on several nodes, a shared
+    file system); --export's path tried too."""
     problem = [None, None]  # (what is wrong, the file rank 0 wrote)
     if rank == 0:
         try:
             os.makedirs(args.out_dir, exist_ok=True)
-            open(os.path.join(args.out_dir, "metrics.jsonl"), "a").close()
+            if os.path.exists(os.path.join(args.out_dir, "metrics.jsonl")):  # a resume's: appended to
+                open(os.path.join(args.out_dir, "metrics.jsonl"), "a").close()
             problem[1] = os.path.join(args.out_dir, f".probe-{os.urandom(6).hex()}")  # this job's alone
             open(problem[1], "w").close()  # the folder takes new files
             if args.export:
@@ -56,16 +120,50 @@ def check_input(args: argparse.Namespace, tokens: data.Tokens, rank: int, world_
         except OSError as error:
             problem[0] = f"{error.filename}: {error.strerror}"
     dist.broadcast_object_list(problem, src=0)  # every rank stops, or none does
-    unseen = torch.tensor(0 if problem[0] or os.path.exists(problem[1]) else rank + 1, device=device)
-    dist.all_reduce(unseen, op=dist.ReduceOp.MAX)  # after it every rank has looked: rank 0 may remove the file
-    if rank == 0 and problem[1] and os.path.exists(problem[1]):
-        os.remove(problem[1])
     if problem[0]:
         raise ValueError(problem[0])
-    if unseen.item():
-        raise ValueError(f"--out_dir {args.out_dir}: rank {unseen.item() - 1} does not see the file that rank 0 "
-                         "wrote there: checkpoints need a folder that every rank shares")
-    if rank == 0 and unread:  # no collective here; only once OUT_DIR passed: bad data or paths create nothing
+    seen = os.path.exists(problem[1])
+    try:
+        agree(None if seen else f"--out_dir {args.out_dir}: the file that rank 0 wrote there is not seen: "
+                                "checkpoints need a folder that every rank shares")
+    finally:  # after it every rank has looked: rank 0 may remove the file
+        if rank == 0:
+            os.remove(problem[1])
+
+
+def token_ids(args: argparse.Namespace, tokens: data.Tokens, rank: int, world_size: int,
+              device: torch.device) -> None:
+    """Every token id must fit the vocab: an embedding fed one that does not fails with a cryptic device-side
+    error, possibly hours in. The ranks read a share of each file each, and each rank that finds one outside
+    says so (agree); once per OUT_DIR and file: its largest id is kept there for the next start, which reads
+    only a file changed since (data.remembered). Called once OUT_DIR is this job's (its lock taken)."""
+    if not tokens.files:  # synthetic: its ids are below its vocab by construction
+        return
+    # Rank 0's view of the kept ids decides for every rank: all then read the same files and join the same
+    # collectives, or none does (a rank that judged alone could skip them and hang the others).
+    kept = [data.remembered(args.out_dir, tokens.files) if rank == 0 else None]
+    dist.broadcast_object_list(kept, src=0)
+    largest = kept[0]
+    unread = [i for i, n in enumerate(largest) if n is None]
+    if not unread:
+        return
+    mine, found = [], None
+    try:
+        mine = [data.largest_id(tokens.files[i].tokens, rank, world_size) for i in unread]
+    except OSError as error:  # a read that fails here: a damaged disk, a vanished mount
+        found = f"--data {args.data}: {error.strerror} while reading its ids"
+    bad = [(n, tokens.files[i].path) for i, n in zip(unread, mine, strict=False) if n >= tokens.vocab_size]
+    if bad:
+        n, path = max(bad)
+        found = (f"--data {path}: token id {n} is outside the vocab of {tokens.vocab_size}: set --vocab_size"
+                 + (", or --data_dtype uint32 if the files hold uint32 ids"
+                    if any(f.format == "raw uint16" for f in tokens.files) else ""))
+    agree(found)
+    every = torch.tensor(mine, device=device)
+    dist.all_reduce(every, op=dist.ReduceOp.MAX)  # each rank read a share of each file
+    for i, n in zip(unread, every.tolist(), strict=True):
+        largest[i] = n
+    if rank == 0:  # no collective here
         try:
             data.remember(args.out_dir, tokens.files, largest)
         except OSError as error:  # costs the next start a read of the data, nothing more

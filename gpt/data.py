@@ -5,8 +5,9 @@ Three sources, each a pair of 1-D arrays of token ids (train, val):
   knows the lowest loss any model can reach (the floor) and prints its distance to it.
 - `FILE.txt` (any file): its bytes are the tokens (vocab 256), read in place with np.memmap; the
   last tenth is the validation split. There is nothing to prepare and no tokenized copy to go stale.
-- `DIR`: its `*train*.bin` and `*val*.bin` files, each split's read in name order as one stream (a
-  window may span two files), memory-mapped: nothing is loaded whole. Two formats, never mixed:
+- `DIR`: its shards, named as nanoGPT (train.bin, val.bin) or llm.c (NAME_train_N.bin, NAME_val_N.bin)
+  names them (SHARD; any other .bin file is refused by name), each split's read in name order as one
+  stream (a window may span two files), memory-mapped: nothing is loaded whole. Two formats, never mixed:
   - llm.c's shards, which modded-nanogpt reads too (fineweb_train_000001.bin, ...): 256 little-endian
     int32 (magic, version, token count, then zeros), then the tokens. The header says the width:
     magic 20240520 version 1, uint16 (GPT-2's tokenizer); magic 20240801 version 7, uint32 (llm.c's
@@ -30,10 +31,11 @@ among ranks and micro-steps. So what is trained does not depend on the world siz
 --grad_accum (only on their product with --batch_size), and a resume will need only the step.
 """
 import bisect
-import glob
+import hashlib
 import itertools
 import json
 import os
+import re
 import resource
 from dataclasses import dataclass
 
@@ -47,6 +49,10 @@ SYNTHETIC_TOKENS = (1 << 19, 1 << 15)  # train, val
 GPT2_VOCAB = 50304  # GPT-2's 50257, rounded up to a multiple of 64 as nanoGPT does: faster matmuls
 HEADER_BYTES = 256 * 4  # llm.c's header: 256 little-endian int32
 HEADERS = {20240520: (1, np.uint16), 20240801: (7, np.uint32)}  # magic: (version, ids), llm.c's data_common.py
+# A shard's name, as nanoGPT's prepare.py and llm.c's scripts write them: train.bin, val.bin;
+# fineweb_train_000001.bin, tiny_shakespeare_val.bin. Any other .bin file in the folder is refused by name.
+SHARD = re.compile(r"^(?:.+_)?(train|val)(?:_\d+)?\.bin$")
+SHARD_NAMES = "train.bin and val.bin, or NAME_train_N.bin and NAME_val_N.bin as llm.c writes"
 CHECKED = "data_check.json"  # in OUT_DIR: each file's largest id, so that a restart reads no data
 
 
@@ -90,6 +96,15 @@ class Tokens:
     floor: float | None  # the lowest expected loss per token (nats), where it is known
     name: str
     files: list[TokenFile]  # what the id check reads: none for synthetic, whose ids fit by construction
+    counts: tuple[int, int] = (0, 0)  # how many files each split reads (train, val)
+
+    def summary(self) -> str:
+        """What the start line says of the data: its format, files and tokens per split."""
+        if not self.files:
+            return f"{self.name} (vocab {self.vocab_size})"
+        splits = ", ".join(f"{split} {n} file{'s' if n > 1 else ''} {len(a):,} tokens"
+                           for split, n, a in zip(("train", "val"), self.counts, (self.train, self.val), strict=True))
+        return f"{self.name} ({self.files[0].format}: {splits}; vocab {self.vocab_size})"
 
 
 def markov_chain(vocab_size: int, concentration: float, seed: int) -> tuple[np.ndarray, float]:
@@ -135,19 +150,23 @@ def load(spec: str, vocab_size: int | None = None, dtype: str | None = None) -> 
     if len(text.tokens) >= 4 and int.from_bytes(bytes(text.tokens[:4]), "little", signed=True) in HEADERS:
         raise ValueError(f"--data {spec}: one of llm.c's shards, not text: give the folder that holds it")
     cut = len(text.tokens) * 9 // 10
-    return Tokens(text.tokens[:cut], text.tokens[cut:], vocab_size or 256, None, spec, [text])
+    return Tokens(text.tokens[:cut], text.tokens[cut:], vocab_size or 256, None, spec, [text], (1, 1))
 
 
 def _folder(folder: str, vocab_size: int | None, dtype: str | None) -> Tokens:
-    found = {split: sorted(glob.glob(os.path.join(glob.escape(folder), f"*{split}*.bin")))  # name order
-             for split in ("train", "val")}
+    found = {"train": [], "val": []}
+    for name in sorted(os.listdir(folder)):  # name order: each split's files are one stream in this order
+        if not name.lower().endswith(".bin"):
+            continue  # nanoGPT's meta.pkl, a README, ...
+        match = SHARD.match(name)
+        if not match:  # train_old.bin, A_TRAIN.bin: never trained on in silence
+            raise ValueError(f"--data {os.path.join(folder, name)}: not a shard's name ({SHARD_NAMES}): "
+                             "rename it, or move it out of the folder")
+        found[match[1]].append(os.path.join(folder, name))
     for split, paths in found.items():
         if not paths:
-            raise ValueError(f"--data {folder}: no *{split}*.bin file in it (give synthetic, a text file, or a "
-                             "folder with nanoGPT's train.bin and val.bin or llm.c's shards)")
-    both = sorted(set(found["train"]) & set(found["val"]))
-    if both:
-        raise ValueError(f"--data {both[0]}: its name says both train and val")
+            raise ValueError(f"--data {folder}: no {split} shard in it ({SHARD_NAMES}; or give synthetic, or a "
+                             "text file)")
     _enough_descriptors(folder, len(found["train"]) + len(found["val"]))
     files = {split: [_token_file(path, dtype) for path in paths] for split, paths in found.items()}
     every = files["train"] + files["val"]
@@ -165,7 +184,8 @@ def _folder(folder: str, vocab_size: int | None, dtype: str | None) -> Tokens:
             raise ValueError(f"--data {f.path}: {f.format} ids where {every[0].path} holds {every[0].format}: "
                              "a folder's .bin files hold ids of one width")
     train, val = (split[0].tokens if len(split) == 1 else Shards([f.tokens for f in split]) for split in files.values())
-    return Tokens(train, val, vocab_size or GPT2_VOCAB, None, folder, every)
+    counts = (len(files["train"]), len(files["val"]))
+    return Tokens(train, val, vocab_size or GPT2_VOCAB, None, folder, every, counts)
 
 
 def _enough_descriptors(folder: str, count: int) -> None:
@@ -226,6 +246,33 @@ def _after_header(path: str, head: bytes, size: int, dtype: str | None) -> tuple
     return np.memmap(path, dtype=ids, mode="r", offset=HEADER_BYTES, shape=(count,)), f"llm.c {name}"
 
 
+def fingerprint(tokens: Tokens) -> list[tuple]:
+    """Each file's name, size, format and a digest of its first and last 4 KiB (what train.py compares between
+    ranks: a host whose copy differs), read without reading the files in full."""
+    prints = []
+    for f in tokens.files:
+        with open(f.path, "rb") as file:
+            ends = file.read(4096)
+            file.seek(max(0, f.key["size"] - 4096))
+            ends += file.read()
+        prints.append((os.path.basename(f.path), f.key["size"], f.format, hashlib.sha256(ends).hexdigest()))
+    return prints
+
+
+def difference(mine: list[tuple], first: list[tuple]) -> str:
+    """How this rank's files (fingerprint) differ from rank 0's, in words."""
+    theirs = {name: rest for name, *rest in first}
+    for name, size, form, digest in mine:
+        if name not in theirs:
+            return f"{name} is there, where rank 0 has no such file"
+        if theirs[name][0] != size:
+            return f"{name} holds {size:,} bytes, where rank 0's holds {theirs[name][0]:,}"
+        if theirs[name][1:] != [form, digest]:
+            return f"{name} differs from rank 0's in its first or last 4 KiB"
+    missing = sorted(set(theirs) - {name for name, *_ in mine})
+    return f"{missing[0]} is missing, where rank 0 has it"
+
+
 def check(tokens: Tokens, seq_len: int) -> None:
     """One line, before any step, for data that cannot fill a window of seq_len + 1 tokens."""
     for split, array in (("train", tokens.train), ("val", tokens.val)):
@@ -249,7 +296,7 @@ def remembered(out_dir: str, files: list[TokenFile]) -> list[int | None]:
     try:
         with open(os.path.join(out_dir, CHECKED)) as file:
             kept = json.load(file)
-    except (OSError, ValueError):  # none yet; or OUT_DIR is no folder (check_input says so)
+    except (OSError, ValueError):  # none yet; or OUT_DIR is no folder (checks.out_dir says so)
         kept = {}
     largest = []
     for f in files:

@@ -1,6 +1,7 @@
 """What train.py's log lines report beside the loss: MFU's peak, the memory peaks, and metrics.jsonl."""
 import argparse
 import json
+import math
 import os
 import resource
 import sys
@@ -42,6 +43,18 @@ def peak_memory(device: torch.device) -> tuple[dict, str]:
     fields = dict(zip(names, (value / 2**30 for value in largest.tolist()), strict=True))
     words = " / ".join(f"{value:.2f}" for value in fields.values())
     return fields, f"mem {words} GiB" + (" (allocated / reserved)" if device.type == "cuda" else " (rss)")
+
+
+def json_line(record: dict) -> str:
+    """One line of strict JSON: a value that is not finite (the gradient's norm of a step that fp16's scaler
+    skips is inf) is written as null, where Python's json would write Infinity, which strict readers refuse."""
+    def finite(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {key: finite(item) for key, item in value.items()}
+        return [finite(item) for item in value] if isinstance(value, list) else value
+    return json.dumps(finite(record), allow_nan=False) + "\n"
 
 
 def open_metrics(out_dir: str, first_step: int):

@@ -36,6 +36,29 @@ KEEP = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.
         torch.ops.aten._scaled_dot_product_cudnn_attention.default}
 
 
+def refused_layout(args: argparse.Namespace) -> str | None:
+    """Why a combination of train.py's layout options cannot run (one line), or None; it also sets
+    --pp_schedule's default. simulate.py calls it too, so that it refuses what train.py refuses."""
+    if args.shard_size is not None and (args.parallel != "hsdp" or args.shard_size < 1):
+        return "--shard_size is for --parallel hsdp, and must be at least 1"
+    if args.tp < 1 or args.pp < 1:
+        return "--tp and --pp must be at least 1"
+    if args.pp_schedule and args.pp == 1:
+        return "--pp_schedule is for --pp above 1"
+    args.pp_schedule = args.pp_schedule or ("1F1B" if args.pp > 1 else None)  # None: no pipeline, in the checkpoint
+    if args.pp > 1 and args.parallel == "ddp":
+        return f"--pp {args.pp} needs --parallel fsdp or hsdp (pp alone: --parallel fsdp --pp N on N ranks)"
+    if args.activation_checkpoint == "selective" and args.pp_schedule in pipeline.SPLIT_BACKWARD:  # torch 2.13
+        return (f"--activation_checkpoint selective keeps its results for one backward, and --pp_schedule "
+                f"{args.pp_schedule} runs two (the input's, then the weights'): use full there")
+    if args.pp > 1 and args.precision == "fp16":  # the schedule runs each backward: no GradScaler can scale it
+        return f"--pp {args.pp} runs in fp32 or bf16: fp16's loss scaling is not in torch's pipeline schedules"
+    if args.tp > 1 and args.parallel == "ddp":  # DDP takes no DTensor parameters: tensor_parallel()
+        return (f"--tp {args.tp} needs --parallel fsdp or hsdp: DDP takes no tensor-parallel parameters (tp alone: "
+                f"--parallel fsdp --tp N on N ranks)")
+    return None
+
+
 def check_layout(args: argparse.Namespace, config: GPTConfig, world_size: int) -> None:
     """A layout that the ranks or the model cannot take, refused before anything is written (a ValueError,
     one line): --tp must divide the ranks, and the heads (so the width), the vocabulary and the sequence,

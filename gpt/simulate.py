@@ -155,7 +155,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                     "ranks / --tp,\n8 GPUs a node when simulated)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel ranks, innermost, as train.py's")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages, outermost, as train.py's")
-    p.add_argument("--pp_schedule", choices=pipeline.SCHEDULES, default="1F1B", help="as train.py's (default 1F1B)")
+    p.add_argument("--pp_schedule", choices=pipeline.SCHEDULES, help="as train.py's (default 1F1B)")
+    p.add_argument("--activation_checkpoint", choices=["none", "full", "selective"], default="none",
+                   help="as train.py's: what a block's recomputed forward sends is counted")
     p.add_argument("--grad_accum", type=int, default=1, help="micro-batches a step (the pipeline's)")
     p.add_argument("--batch_size", type=int, default=1, help="sequences per data-parallel rank per micro-batch")
     p.add_argument("--seq_len", type=int, default=1024, help="tokens per sequence")
@@ -168,11 +170,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("shard_size", "tp", "pp", "grad_accum", "batch_size", "seq_len", "vocab_size", "ranks"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
-    args.compile, args.seed, args.activation_checkpoint = False, 0, "none"  # what parallelize.py reads of train.py's
-    if args.shard_size is not None and args.parallel != "hsdp":
-        p.error("--shard_size is for --parallel hsdp")
-    if args.tp > 1 and args.parallel == "ddp":
-        p.error(f"--tp {args.tp} needs --parallel fsdp or hsdp, as in train.py")
+    args.compile, args.seed = False, 0  # what parallelize.py reads of train.py's
+    refused = parallelize.refused_layout(args)  # what train.py refuses
+    if refused:
+        p.error(refused)
     if args.ranks and args.shard_size is None and args.parallel == "hsdp":  # a node of 8 GPUs (torchrun: the real's)
         args.shard_size = parallelize.shard_size(args, args.ranks, node=min(8, args.ranks))
     if (args.ranks is None) == ("RANK" not in os.environ):
@@ -180,8 +181,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.grad_accum > 1 and args.pp == 1:  # one forward here, where train.py runs --grad_accum micro-steps
         p.error("--grad_accum is a pipeline's micro-batches: give it with --pp (without, count one step of "
                 "--batch_size)")
-    if args.pp > 1 and args.parallel == "ddp":
-        p.error(f"--pp {args.pp} needs --parallel fsdp or hsdp, as in train.py")
     if args.ranks and args.parallel == "ddp":  # and DDP's reducer fails on the fake group's results
         p.error("ddp holds the whole model on every rank and all-reduces every gradient once a step: count it "
                 "under torchrun")

@@ -36,12 +36,13 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import checks
 import data
 import parallelize
 import pipeline
 from checkpoint import Checkpoints
-from checks import check_input, weights_are_finite
-from metrics import open_metrics, peak_flops, peak_memory
+from checks import weights_are_finite
+from metrics import json_line, open_metrics, peak_flops, peak_memory
 from model import CONFIGS, GPT, GPTConfig, export
 from optimizer import make_optimizer
 from parallelize import DTYPES
@@ -62,8 +63,9 @@ def steps_range(text: str) -> tuple[int, int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", choices=CONFIGS, default="tiny", help="the model's size (gpt/model.py CONFIGS)")
-    p.add_argument("--data", default="synthetic", help="synthetic, a text file, or a folder of *train*.bin and "
-                                                       "*val*.bin:\nnanoGPT's train.bin and val.bin, or llm.c's shards")
+    p.add_argument("--data", default="synthetic", help="synthetic, a text file, or a folder of shards:\n"
+                                                       "nanoGPT's train.bin and val.bin, or llm.c's NAME_train_N.bin "
+                                                       "and NAME_val_N.bin")
     p.add_argument("--data_dtype", choices=["uint16", "uint32"], help="the width of raw .bin ids, which have no "
                                                                       "header (default uint16);\nllm.c's shards "
                                                                       "say theirs")
@@ -134,23 +136,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--seed must be below 2**64 (torch.manual_seed's range)")
     if args.vocab_size is not None and args.data == "synthetic":
         p.error(f"--vocab_size is for files; the synthetic data has {data.SYNTHETIC_VOCAB} tokens")
-    if args.shard_size is not None and (args.parallel != "hsdp" or args.shard_size < 1):
-        p.error("--shard_size is for --parallel hsdp, and must be at least 1")
-    if args.tp < 1 or args.pp < 1:
-        p.error("--tp and --pp must be at least 1")
-    if args.pp_schedule and args.pp == 1:
-        p.error("--pp_schedule is for --pp above 1")
-    args.pp_schedule = args.pp_schedule or ("1F1B" if args.pp > 1 else None)  # None: no pipeline, in the checkpoint
-    if args.pp > 1 and args.parallel == "ddp":
-        p.error(f"--pp {args.pp} needs --parallel fsdp or hsdp (pp alone: --parallel fsdp --pp N on N ranks)")
-    if args.activation_checkpoint == "selective" and args.pp_schedule in pipeline.SPLIT_BACKWARD:  # torch 2.13
-        p.error(f"--activation_checkpoint selective keeps its results for one backward, and --pp_schedule "
-                f"{args.pp_schedule} runs two (the input's, then the weights'): use full there")
-    if args.pp > 1 and args.precision == "fp16":  # the schedule runs each backward: no GradScaler can scale it
-        p.error(f"--pp {args.pp} runs in fp32 or bf16: fp16's loss scaling is not in torch's pipeline schedules")
-    if args.tp > 1 and args.parallel == "ddp":  # DDP takes no DTensor parameters: parallelize.tensor_parallel
-        p.error(f"--tp {args.tp} needs --parallel fsdp or hsdp: DDP takes no tensor-parallel parameters (tp alone: "
-                f"--parallel fsdp --tp N on N ranks)")
+    refused = parallelize.refused_layout(args)  # simulate.py refuses the same: one function
+    if refused:
+        p.error(refused)
     return args
 
 
@@ -288,6 +276,12 @@ def resume(args: argparse.Namespace, checkpoints: Checkpoints, parts: list[torch
                "global batch": args.batch_size * args.grad_accum * world_size // (args.tp * args.pp)}
         changed = [f"{name} {value} (was {manifest['run'].get(name)})" for name, value in run.items()
                    if manifest["run"].get(name) != value]
+        schedule = [name for name in ("lr", "min_lr", "warmup_steps", "max_steps")
+                    if manifest["run"].get(f"--{name}", getattr(args, name)) != getattr(args, name)]
+        if schedule:  # the new schedule from the next step on: a longer --max_steps stretches the cosine
+            old = argparse.Namespace(**{**vars(args), **{n: manifest["run"][f"--{n}"] for n in schedule}})
+            changed[-1] += (f"; the learning rate of step {manifest['step'] + 1}: {lr_at(manifest['step'], args):.2e}"
+                            f" (the old schedule's: {lr_at(manifest['step'], old):.2e})")
         if changed:
             print(f"changed since that checkpoint, as asked: {', '.join(changed)}", flush=True)
     return manifest["step"]
@@ -326,20 +320,21 @@ def train_step(model: torch.nn.Module | pipeline.Pipeline, optimizer: torch.opti
 def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> torch.nn.Module | int:
     """The trained model, or the number of the signal that stopped the run before --max_steps (it
     is saved)."""
-    tokens = data.load(args.data, args.vocab_size, args.data_dtype)
-    config = GPTConfig(vocab_size=tokens.vocab_size, seq_len=args.seq_len, **CONFIGS[args.model])
-    parallelize.check_layout(args, config, world_size)
-    check_input(args, tokens, rank, world_size, device)
+    # Refused before OUT_DIR is made: what any rank finds is the job's error (checks.agree). Then OUT_DIR, its
+    # lock, and only then the data read in full: a job refused for a held lock reads none.
+    tokens, config = checks.arguments_and_data(args, world_size)
+    checks.out_dir(args, rank)
     checkpoints = Checkpoints(args.out_dir, rank, world_size, args.keep, args.timeout or 1800.0)
     try:
-        return train_steps(args, config, tokens, checkpoints, rank, world_size, device)
+        no_lock = checkpoints.lock()
+        checks.token_ids(args, tokens, rank, world_size, device)
+        return train_steps(args, config, tokens, checkpoints, no_lock, rank, world_size, device)
     finally:
         checkpoints.close()  # the save in flight finishes first
 
 
 def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens, checkpoints: Checkpoints,
-                rank: int, world_size: int, device: torch.device) -> torch.nn.Module | int:
-    no_lock = checkpoints.lock()
+                no_lock: str | None, rank: int, world_size: int, device: torch.device) -> torch.nn.Module | int:
     mesh = parallelize.make_mesh(args, world_size, device)
     with torch.device("meta"):  # no memory: parallelize_gpt gives each rank what it holds, and the weights
         gpt = GPT(config)
@@ -364,7 +359,7 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
         print(f"gpt {args.model} ({n_params / 1e6:.2f}M parameters) | {args.parallel} on {world_size} "
               f"rank{'s' if world_size > 1 else ''}{f' ({shape})' if shape else ''}, {device.type}"
               f"{'' if args.activation_checkpoint == 'none' else f', {args.activation_checkpoint} checkpointing'} | "
-              f"data {tokens.name} (vocab {tokens.vocab_size}) | global batch {global_batch} × {args.seq_len} tokens",
+              f"data {tokens.summary()} | global batch {global_batch} × {args.seq_len} tokens",
               flush=True)
         node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         if node % args.tp:  # tp innermost: its groups stay in a node only if they tile it
@@ -386,7 +381,7 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
     def log(record: dict, line: str) -> None:
         if rank == 0:  # after every rank's collective: never a collective inside this guard
             print(line, flush=True)
-            metrics.write(json.dumps(record) + "\n")
+            metrics.write(json_line(record))  # strict JSON: a value that is not finite is null
 
     def save(step: int) -> None:
         extra = {"config": asdict(config), "run": {**{f"--{n}": getattr(args, n) for n in RUN}, "ranks": world_size,
@@ -552,9 +547,8 @@ def main() -> None:
     rank, _, world_size, device = setup(args)
     try:
         code = train_and_export(args, rank, world_size, device)
-    except ValueError as error:  # bad input, found alike by every rank before any step: one line
-        if rank == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
+    except ValueError as error:  # bad input, agreed by every rank: one line (checks.report)
+        checks.report(error, rank)
         sys.exit(1)
     finally:
         dist.destroy_process_group()

@@ -51,10 +51,10 @@ class Group:
         self.before = _children(os.getpid())
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+    def start(self, cmd: list[str], env: dict | None = None, cwd: Path = REPO) -> subprocess.Popen:
         index = len(self.procs)
         proc = subprocess.Popen(
-            cmd, cwd=REPO, env={**os.environ, **(env or {})}, text=True, start_new_session=True,
+            cmd, cwd=cwd, env={**os.environ, **(env or {})}, text=True, start_new_session=True,
             stdout=open(self.folder / f"out{index}.txt", "w"), stderr=open(self.folder / f"err{index}.txt", "w"),
         )
         self.procs.append(proc)

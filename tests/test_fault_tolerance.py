@@ -1,5 +1,6 @@
 """A killed worker: torchrun restarts the job from the lesson's last checkpoint (the docstring's
 command), and without restarts the job fails at once. Locks, signals and preemption: gpt/ (its tests)."""
+import os
 import random
 import time
 
@@ -53,7 +54,9 @@ def test_three_killed_workers_in_a_row_cost_only_the_epoch_in_flight(ddp_runs):
     assert output.text.count("resuming from restart.pt: 1 of 3 epochs done") == 2  # epoch 1 saved only at the end
 
 
-@pytest.mark.parametrize("moment", [random.choice(["step:20", "step:40", "eval:9", "time:2.5"])])
+# One draw per run: under pytest-xdist every worker collects the tests, and all must draw the same one.
+@pytest.mark.parametrize("moment", [random.Random(os.environ.get("PYTEST_XDIST_TESTRUNUID"))
+                                    .choice(["step:20", "step:40", "eval:9", "time:2.5"])])
 def test_a_worker_killed_at_a_random_moment_costs_only_the_epoch_in_flight(moment, ddp_runs, tmp_path):
     rank = str(random.randrange(3))
     result = run([TORCHRUN, "--standalone", "--nproc-per-node", "3", "--max-restarts", "1", "singlenode_cpu.py",

@@ -11,6 +11,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -341,9 +342,10 @@ def test_an_out_dir_that_a_rank_does_not_share_is_refused_before_any_step(tmp_pa
     result = torchrun_in_process(2, "gpt_private_out_dir.py", *ARGV, *split(2), cwd=tmp_path, timeout=60)
     assert result.codes[0] == 1 and all(result.codes), result.codes
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: --out_dir out: rank 1 does not see the file that rank 0 wrote there: checkpoints "
-                      "need a folder that every rank shares"], result.stderr
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["metrics.jsonl"]
+    assert errors == ["error: --out_dir out: the file that rank 0 wrote there is not seen: checkpoints need a "
+                      f"folder that every rank shares (found by rank 1 on {socket.gethostname()} (node 0))"], \
+        result.stderr
+    assert list((tmp_path / "out").iterdir()) == []
 
 
 def test_a_file_system_without_locks_is_said_in_one_line_and_the_job_goes_on(tmp_path):

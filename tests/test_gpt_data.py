@@ -3,9 +3,11 @@ what the same tokens train in any other format; a damaged file is one line namin
 written; the id check reads the data once per OUT_DIR, and again only where a file changed.
 
 The runs go through tests/harness.torchrun_in_process, as tests/test_gpt.py's do."""
+import fcntl
 import json
 import os
 import resource
+import socket
 import subprocess
 import sys
 import time
@@ -93,7 +95,10 @@ def test_each_format_trains_exactly_as_the_same_tokens_in_nanogpts(form, stream,
         for begin in (0, 80, len(ids) // 3 - 20, len(ids) * 2 // 3 - 1, len(ids) - 40):  # across the shards' cuts
             np.testing.assert_array_equal(split[begin:begin + 40], ids[begin:begin + 40])
     records, _, stdout = train(1, "--data", str(folder), *flag, *ARGV)
-    assert f"data {folder} (vocab 512)" in stdout
+    files = "train 3 files" if form == "shards" else "train 1 file"
+    files += f" {len(stream[0]):,} tokens, val {2 if form == 'shards' else 1} file"
+    assert f"data {folder} ({form if form != 'shards' else 'llm.c uint16'}: {files}" in stdout  # the start line
+    assert f" {len(stream[1]):,} tokens; vocab 512)" in stdout
     assert len(records) == 7 and losses(records) == losses(nanogpt)
 
 
@@ -159,6 +164,45 @@ def test_a_damaged_file_is_one_line_naming_it_and_nothing_is_written(damage, tmp
     assert result.codes == [1], result.stderr
     assert result.stderr.strip() == f"error: --data {bad}: {DAMAGED[damage].format(folder=folder)}"
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("stray", ["train_old.bin", "A_TRAIN.bin", "fineweb_train_000001.bin.bin", "val.bin.bak.bin"])
+def test_a_bin_file_not_named_as_a_shard_is_refused_by_name(stray, tmp_path):
+    """A folder's shards are train.bin and val.bin or NAME_train_N.bin and NAME_val_N.bin (data.SHARD): a stray
+    train_old.bin would have joined the training stream in silence; what is not a .bin (meta.pkl) is left alone."""
+    for name in ("fineweb_train_000001.bin", "fineweb_train_000002.bin", "fineweb_val_000000.bin"):
+        llmc(tmp_path / name, GOOD)
+    (tmp_path / "meta.pkl").write_bytes(b"\0" * 10)
+    loaded = load(str(tmp_path))
+    assert loaded.counts == (2, 1) and len(loaded.train) == 2 * len(GOOD)
+    assert loaded.summary() == f"{tmp_path} (llm.c uint16: train 2 files 6,000 tokens, val 1 file 3,000 tokens; " \
+                               "vocab 50304)"
+    llmc(tmp_path / stray, GOOD)
+    with pytest.raises(ValueError) as refused:
+        load(str(tmp_path))
+    assert str(refused.value) == f"--data {tmp_path / stray}: not a shard's name (train.bin and val.bin, or " \
+                                 "NAME_train_N.bin and NAME_val_N.bin as llm.c writes): rename it, or move it out of " \
+                                 "the folder"
+
+
+def test_a_job_refused_for_a_held_lock_reads_no_data(tmp_path):
+    """OUT_DIR's lock is taken before the data is read in full: a second job on a running job's folder (its lock
+    held here) is refused at once, though its data, 2 TiB of sparse zeros, would take the ranks far longer than the
+    test's minute to read (data_check.json has no record of it); it writes nothing there."""
+    for split in ("train", "val"):
+        with open(tmp_path / f"{split}.bin", "wb") as file:
+            file.truncate(1 << 40)
+    (tmp_path / "out").mkdir()
+    lock = os.open(tmp_path / "out" / "lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # as the running job holds it
+    try:
+        result = torchrun_in_process(2, TRAIN, "--data", str(tmp_path), "--vocab_size", "256", cwd=tmp_path,
+                                     timeout=60)
+    finally:
+        os.close(lock)
+    assert result.codes == [1, 1], result.stderr
+    assert result.stderr.strip() == "error: out is in use by another job (it holds out/lock)"
+    assert os.listdir(tmp_path / "out") == ["lock"]
 
 
 def test_data_dtype_is_refused_for_a_text_file(tmp_path):
@@ -233,9 +277,12 @@ def test_a_file_changed_since_is_read_again(change, tmp_path):
     again = start(tmp_path)
     assert again.codes == [1, 1], again.stderr
     assert reads(again) == [f"[read] {3001 if change == 'size' else 3000} ids"] * 2  # val.bin only, on each rank
-    said = f"error: --data {tmp_path}: token id 300 is outside the vocab of 256: set --vocab_size, or --data_dtype " \
-        "uint32 if the files hold uint32 ids"
-    assert again.stderr.strip() == said
+    # The rank whose share of val.bin holds the id says so, once; the other, that it stopped for it.
+    finder = 1 if change == "size" else 0  # appended: in the second half; else at index 10, in the first
+    who = f"rank {finder} on {socket.gethostname()} (node 0)"
+    assert again.stderrs[finder].strip() == f"error: --data {tmp_path / 'val.bin'}: token id 300 is outside the " \
+        f"vocab of 256: set --vocab_size, or --data_dtype uint32 if the files hold uint32 ids (found by {who})"
+    assert again.stderrs[1 - finder].strip() == f"stopped: {who} found an error"
 
 
 @pytest.mark.parametrize(("hard", "said"), [(4096, None), (300, "above the hard limit of 300 (ulimit -Hn)")])

@@ -194,3 +194,17 @@ def test_the_scripts_train_py_arguments_are_train_py_options():
     check = "import sys; sys.path.insert(0, 'gpt'); import train; train.parse_args(sys.argv[1:])"
     result = run([sys.executable, "-c", check, *argv], timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("script", ["gpt/train.sbatch", "multinode.sbatch"])
+def test_a_long_node_list_leaves_the_head_node_found(script, tmp_path):
+    """The scripts' line that picks the head node, run under their `set -euo pipefail` with an scontrol that lists
+    200,000 nodes: `head -n 1` would close the pipe while scontrol still writes (SIGPIPE, and pipefail ends the
+    job); the whole list read, the first node is the head."""
+    line = next(text for text in (REPO / script).read_text().splitlines() if text.startswith("head_node="))
+    (tmp_path / "scontrol").write_text("#!/bin/bash\nseq -f 'node%g' 0 199999\n")
+    (tmp_path / "scontrol").chmod(0o755)
+    result = subprocess.run(["bash", "-c", f"set -euo pipefail; {line}; echo $head_node"], capture_output=True,
+                            text=True, timeout=30, env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}",
+                                                        "SLURM_JOB_NODELIST": "node[0-199999]"})
+    assert (result.returncode, result.stdout) == (0, "node0\n"), result.stderr

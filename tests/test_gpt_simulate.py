@@ -11,6 +11,7 @@ import sys
 import pytest
 from harness import torchrun_in_process
 from launch import REPO, run
+from test_gpt import import_gpt
 
 sys.path.insert(0, str(REPO))
 from gpt.model import CONFIGS, GPTConfig  # noqa: E402
@@ -38,6 +39,47 @@ def test_the_simulation_counts_what_a_real_run_sends():
     counted = json.loads(real.stdouts[0])
     assert set(counted[0]["sent"]) == {"replicate", "shard", "tp"}
     assert counted == simulated(ranks, *TINY, *layout, "--every_rank")
+
+
+def test_a_recomputed_forward_is_counted_as_a_real_run_sends_it():
+    """--activation_checkpoint under tp 2: each block's forward runs again in its backward, and with it tp's
+    collectives: sequence parallel's all-gather before attention and before the MLP, and the reduce-scatter after
+    attention (torch's checkpoint stops early, before the MLP's). Real (selective, 2 ranks on gloo) and simulated
+    equal; full recomputes the same collectives as selective (which recomputes all that it does not keep)."""
+    ranks, layout = LAYOUTS["tp 2"]
+    real = torchrun_in_process(ranks, SIMULATE, *TINY, *layout, "--activation_checkpoint", "selective", "--json",
+                               timeout=120)
+    assert real.codes == [0] * ranks, real.stderr
+    selective = simulated(ranks, *TINY, *layout, "--activation_checkpoint", "selective", "--every_rank")
+    assert json.loads(real.stdouts[0]) == selective
+    none = simulated(ranks, *TINY, *layout)[0]["sent"]["tp"]  # as test_each_ranks_bytes_and_collectives_equal...
+    full = simulated(ranks, *TINY, *layout, "--activation_checkpoint", "full")[0]["sent"]["tp"]
+    assert full == selective[0]["sent"]["tp"]
+    blocks, bsh = CONFIGS["tiny"]["n_layer"], 4 * 2 * 32 * CONFIGS["tiny"]["n_embd"]  # fp32, batch 2, seq 32
+    assert full == {"all-gather": [none["all-gather"][0] + 2 * blocks, none["all-gather"][1] + 2 * blocks * bsh],
+                    "reduce-scatter": [none["reduce-scatter"][0] + blocks, none["reduce-scatter"][1] + blocks * bsh],
+                    "all-reduce": none["all-reduce"]}
+
+
+@pytest.mark.parametrize("argv", [["--pp_schedule", "GPipe"],
+                                  ["--parallel", "fsdp", "--pp", "2", "--precision", "fp16"],
+                                  ["--parallel", "ddp", "--tp", "2"], ["--parallel", "ddp", "--pp", "2"],
+                                  ["--parallel", "fsdp", "--shard_size", "2"],
+                                  ["--parallel", "fsdp", "--pp", "2", "--pp_schedule", "ZBVZeroBubble",
+                                   "--activation_checkpoint", "selective"],
+                                  ["--parallel", "hsdp", "--tp", "2", "--pp", "2", "--pp_schedule", "Interleaved1F1B",
+                                   "--activation_checkpoint", "full", "--precision", "bf16"]])
+def test_simulate_refuses_what_train_refuses(argv, capsys):
+    """One function decides for both (parallelize.refused_layout): the same line, or both take the layout."""
+    said = []
+    for parse in (import_gpt().parse_args, import_gpt("simulate").parse_args):
+        try:
+            parse(argv + (["--ranks", "8"] if parse.__module__ == "simulate" else []))
+            said.append(None)
+        except SystemExit:
+            said.append(capsys.readouterr().err.splitlines()[-1].split("error: ", 1)[1])
+    assert said[0] == said[1], said
+    assert (said[0] is None) == ("--activation_checkpoint" in argv and "full" in argv)
 
 
 def test_a_pipeline_is_simulated_as_a_real_run_counts_it_and_as_the_formulas_say():

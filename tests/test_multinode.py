@@ -9,6 +9,7 @@ import subprocess
 import time
 import uuid
 
+import numpy as np
 import pytest
 from launch import REPO, TORCHRUN, Group
 from test_gpt_checkpoints import ARGV, TRAIN, assert_bitwise, launch, split
@@ -135,3 +136,49 @@ def test_losing_a_host_stops_the_other_within_the_timeout(hosts, tmp_path):
     stderr = group.stderr(0)
     assert "Timed out" in stderr or "Connection reset by peer" in stderr or "Connection closed by peer" in stderr
     group.wait(timeout=10)  # nothing of either host is left running
+
+
+@pytest.mark.parametrize("damage", ["no data", "other data", "a damaged shard"])
+def test_what_one_host_finds_in_its_data_stops_both_hosts_with_its_cause(damage, hosts, tmp_path):
+    """Two hosts, a worker each, the same command with `--data data`, a folder of each host's own (as a mount is):
+    host 1's is missing, holds another train.bin, or a truncated shard. Host 1's rank says the cause once, naming
+    itself; host 0's rank says it stopped for it; both exit non-zero at once, OUT_DIR never made; and each
+    torchrun's summary names the cause, not a closed connection."""
+    ids = (np.arange(6000) % 256).astype(np.uint16)
+    for host in range(2):
+        folder = tmp_path / f"host{host}" / "data"
+        folder.mkdir(parents=True)
+        if host == 1 and damage == "no data":
+            folder.rmdir()
+        elif damage == "a damaged shard":  # llm.c's shards; host 1's train shard cut short
+            for name, part in (("x_train_000.bin", ids[:3000]), ("x_val_000.bin", ids[3000:])):
+                header = np.zeros(256, np.int32)
+                header[:3] = 20240520, 1, len(part)
+                data = header.tobytes() + part.tobytes()
+                (folder / name).write_bytes(data[:-10] if host and "train" in name else data)
+        else:
+            ids[:5000 if host and damage == "other data" else 6000].tofile(folder / "train.bin")
+            ids.tofile(folder / "val.bin")
+    port = free_port()
+    group = Group(tmp_path)
+    for host in range(2):
+        group.start(hosts.command(host, [
+            TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(host),
+            "--master-addr", hosts.addresses[0], "--master-port", str(port), str(REPO / TRAIN),
+            "--data", "data", "--vocab_size", "256", "--seq_len", "32", "--timeout", "30",
+            "--out_dir", str(tmp_path / "out"),
+        ]), cwd=tmp_path / f"host{host}")
+    assert group.wait(timeout=90) == [1, 1], group.stderr(0) + group.stderr(1)
+    cause = {"no data": "--data data: no such file (give synthetic, a text file, or a folder with nanoGPT's "
+                        "train.bin and val.bin or llm.c's shards)",
+             "other data": "--data data: train.bin holds 10,000 bytes, where rank 0's holds 12,000",
+             "a damaged shard": "--data data/x_train_000.bin: truncated: its header says 3000 tokens (7024 bytes with "
+                                "it), the file has 7014 bytes"}[damage]
+    who = f"rank 1 on {socket.gethostname()} (node 1)"
+    said = [[line for line in group.stderr(host).splitlines() if line.startswith(("error: ", "stopped: "))]
+            for host in range(2)]
+    assert said == [[f"stopped: {who} found an error"], [f"error: {cause} (found by {who})"]]
+    assert f"traceback : stopped: {who} found an error: {cause}" in group.stderr(0)  # torchrun's summary
+    assert f"traceback : error: {cause} (found by {who})" in group.stderr(1)
+    assert "Connection closed" not in group.stderr(0) + group.stderr(1)
+    assert not (tmp_path / "out").exists()

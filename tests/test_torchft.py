@@ -4,6 +4,8 @@ never stop stepping, and all end with the same weights, bit for bit; DiLoCo all-
 and its replicas are equal after each; bad input is one line, and nothing is left running.
 
 Every run goes through launch.run, which fails a test that leaves any process behind."""
+import fcntl
+import os
 import re
 import socket
 import sys
@@ -124,8 +126,8 @@ def free_port_held() -> socket.socket:
 
 
 @pytest.mark.parametrize("case", ["no lighthouse", "port taken", "replica out of range", "no torchft", "bad kill",
-                                  "no out_dir"])
-def test_bad_input_is_one_line_and_nothing_is_left_running(case):
+                                  "no out_dir", "out_dir in use"])
+def test_bad_input_is_one_line_and_nothing_is_left_running(case, tmp_path):
     held = free_port_held()
     port = held.getsockname()[1]
     argv, said = {
@@ -138,7 +140,11 @@ def test_bad_input_is_one_line_and_nothing_is_left_running(case):
         "no torchft": ([], "error: torchft is not installed: pip install -r requirements-torchft.txt"),
         "bad kill": (["--kill", "1"], "--kill must be R:S or R:S:mid, R below 2, S from 1 to 59"),
         "no out_dir": (["--out_dir", "/nonexistent/folder"], "--out_dir /nonexistent/folder is not a folder"),
+        "out_dir in use": (["--out_dir", str(tmp_path)], f"error: --out_dir {tmp_path} is in use by another launcher "
+                                                         f"(it holds {tmp_path}/lock)"),
     }[case]
+    lock = os.open(tmp_path / "lock", os.O_RDWR | os.O_CREAT)  # a first launcher's, held as it holds it
+    fcntl.flock(lock, fcntl.LOCK_EX)
     if case == "no torchft":
         code = "import runpy, sys; sys.modules['torchft'] = None; sys.argv[0] = 'fault_tolerance.py'; " \
                "runpy.run_path('fault_tolerance.py', run_name='__main__')"
@@ -146,5 +152,7 @@ def test_bad_input_is_one_line_and_nothing_is_left_running(case):
     else:
         result = python("fault_tolerance.py", *argv, timeout=60)
     held.close()
+    os.close(lock)
     lines = [line for line in result.stderr.splitlines() if not line.startswith(("usage:", " "))]
     assert result.returncode != 0 and len(lines) == 1 and said in lines[0], result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lock"]  # no replica's file
