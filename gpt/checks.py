@@ -52,13 +52,37 @@ class JobError(ValueError):
             f"stopped: {self.who()} found an error: {self.cause}"
 
 
-def report(error: ValueError, rank: int) -> None:
-    """An error's one line, as JobError.lines says (a plain ValueError: found alike by every rank, printed by rank
-    0), and the line in torchrun's error file for this worker, which its summary prints in place of a traceback."""
-    line = f"error: {error}"
-    printed, line = error.lines(rank) if isinstance(error, JobError) else (line if rank == 0 else None, line)
-    if printed:
-        print(printed, file=sys.stderr, flush=True)
+def where() -> str:
+    """This rank's host and node (torchrun's agent), as the lines name them."""
+    return f"{socket.gethostname()} (node {os.environ.get('GROUP_RANK', '0')})"
+
+
+def failure(error: BaseException, rank: int) -> str | None:
+    """A rank's failure during the run (not agreed: its own exception, or a collective that failed on a peer's):
+    noted in the job's store, where the first failure noted stays, before this rank's exit closes its connections.
+    Returns the line to end with when another rank's failure came first (this one's is then its consequence: a
+    closed connection), printed by one rank a host; None when this rank's is the first (the caller raises it,
+    with its traceback). Either way torchrun's error file gets the line that names the first failure."""
+    line = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    mine = json.dumps([rank, where(), line])
+    try:
+        store = dist.distributed_c10d._get_default_store()  # private in torch 2.13: the group's own store
+        first = store.compare_set("failure", "", mine).decode()  # set only where no rank's is
+        finder, host, cause = json.loads(first)
+        said = first != mine and store.add(f"stopped on {where()}", 1) == 1  # one line a host
+    except Exception:  # no store to tell: this rank's own error, as Python prints it
+        finder, host, cause, said = rank, where(), line, False
+    if finder == rank:
+        elastic_error(f"error: {cause} (rank {rank} on {host})")
+        return None
+    elastic_error(f"stopped: rank {finder} on {host} failed: {cause}")
+    if said:
+        print(f"stopped: rank {finder} on {host} failed: {cause}", file=sys.stderr, flush=True)
+    return "stopped"
+
+
+def elastic_error(line: str) -> None:
+    """The line in torchrun's error file for this worker, which its summary prints in place of a traceback."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         with open(path, "w") as file:  # torch.distributed.elastic's format (ErrorHandler.record_exception)
@@ -66,12 +90,21 @@ def report(error: ValueError, rank: int) -> None:
                                                                   "timestamp": str(int(time.time()))}}}, file)
 
 
+def report(error: ValueError, rank: int) -> None:
+    """An error's one line, as JobError.lines says (a plain ValueError: found alike by every rank, printed by rank
+    0), and the line in torchrun's error file for this worker, which its summary prints in place of a traceback."""
+    line = f"error: {error}"
+    printed, line = error.lines(rank) if isinstance(error, JobError) else (line if rank == 0 else None, line)
+    if printed:
+        print(printed, file=sys.stderr, flush=True)
+    elastic_error(line)
+
+
 def agree(found: str | None) -> None:
     """Every rank calls it at the same point, with what it found wrong (one line) or None: if any rank found
     something, every rank raises the first such rank's cause as a JobError, naming every rank that found one."""
-    where = f"{socket.gethostname()} (node {os.environ.get('GROUP_RANK', '0')})"
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (found, where))
+    dist.all_gather_object(every, (found, where()))
     finders = [rank for rank, (cause, _) in enumerate(every) if cause is not None]
     if finders:  # the first one's cause (others may have found others: they show once it is mended)
         raise JobError(every[finders[0]][0], finders, [host for _, host in every])

@@ -550,6 +550,10 @@ def main() -> None:
     except ValueError as error:  # bad input, agreed by every rank: one line (checks.report)
         checks.report(error, rank)
         sys.exit(1)
+    except Exception as error:  # one rank's own failure, or a peer's seen as a failed collective
+        if checks.failure(error, rank):  # another rank's came first: said in one line
+            sys.exit(1)
+        raise  # the first failure: its traceback
     finally:
         dist.destroy_process_group()
     sys.exit(code)

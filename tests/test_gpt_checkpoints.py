@@ -348,6 +348,19 @@ def test_an_out_dir_that_a_rank_does_not_share_is_refused_before_any_step(tmp_pa
     assert list((tmp_path / "out").iterdir()) == []
 
 
+def test_a_rank_that_fails_mid_run_is_named_by_the_others(tmp_path):
+    """Rank 1 fails on its own in its third step: its traceback, and the cause in torchrun's error file; rank 0,
+    whose next collective fails on the closed connection, says in one line which rank failed and why, not the
+    connection's error. No checkpoint is written over."""
+    result = torchrun_in_process(2, "gpt_fails_mid_run.py", *ARGV, *split(2), cwd=tmp_path, timeout=60)
+    assert result.codes == [1, 1], result.stderr
+    assert "OSError: [Errno 5] Input/output error" in result.stderrs[1]  # its traceback
+    host = f"{socket.gethostname()} (node 0)"
+    assert result.stderrs[0].strip().splitlines()[-1] == f"stopped: rank 1 on {host} failed: OSError: [Errno 5] " \
+                                                          "Input/output error", result.stderrs[0]
+    assert "Traceback" not in result.stderrs[0]
+
+
 def test_a_file_system_without_locks_is_said_in_one_line_and_the_job_goes_on(tmp_path):
     result = torchrun_in_process(2, "gpt_no_flock.py", *ARGV, *split(2), "--max_steps", "4", cwd=tmp_path,
                                  timeout=60)

@@ -1,0 +1,24 @@
+"""gpt/train.py whose rank 1 fails on its own in its third step (an OSError, as a read from a failing disk would
+raise), for tests/test_gpt_checkpoints.py: the others' next collective fails on its closed connections."""
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "gpt"))
+for name in ("model", "data", "train"):  # the root's model.py and data.py, preloaded: gpt/ has its own
+    sys.modules.pop(name, None)
+import train  # noqa: E402
+
+step = train.train_step
+calls = []
+
+
+def failing_step(*args, **kwargs):
+    calls.append(1)
+    if os.environ["RANK"] == "1" and len(calls) == 3:
+        raise OSError(5, "Input/output error")
+    return step(*args, **kwargs)
+
+
+train.train_step = failing_step
+main = train.main
