@@ -7,11 +7,13 @@ same data on every rank, agreed; OUT_DIR made and tried; its lock (train.py); th
 the id check. A refused job has written nothing but OUT_DIR, and one refused for a held lock has read no data.
 """
 import argparse
+import contextlib
 import json
 import os
 import socket
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -65,9 +67,17 @@ def failure(error: BaseException, rank: int) -> str | None:
     with its traceback). Either way torchrun's error file gets the line that names the first failure."""
     line = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     mine = json.dumps([rank, where(), line])
+    # A collective that failed (a peer gone: killed, out of memory, its host lost, or failed itself) is a
+    # consequence: it reads what a peer noted, and notes nothing (a rank killed by SIGKILL notes nothing either).
+    consequence = isinstance(error, dist.DistError) or any(
+        words in str(error) for words in ("Connection closed by peer", "Connection reset by peer", "Timed out"))
     try:
         store = dist.distributed_c10d._get_default_store()  # private in torch 2.13: the group's own store
-        first = store.compare_set("failure", "", mine).decode()  # set only where no rank's is
+        store.set_timeout(timedelta(seconds=10))  # its host may be gone too: not its default minutes
+        if consequence:
+            first = store.get("failure").decode() if store.check(["failure"]) else mine
+        else:
+            first = store.compare_set("failure", "", mine).decode()  # set only where no rank's is
         finder, host, cause = json.loads(first)
         said = first != mine and store.add(f"stopped on {where()}", 1) == 1  # one line a host
     except Exception:  # no store to tell: this rank's own error, as Python prints it
@@ -113,20 +123,22 @@ def agree(found: str | None) -> None:
 def arguments_and_data(args: argparse.Namespace, world_size: int) -> tuple[data.Tokens, GPTConfig]:
     """(the data, the model's config), once every rank has looked at what it can see alone: the layout against
     the model, and the data's files (their headers and sizes, none read in full), the same on every rank."""
-    tokens = config = found = None
+    tokens = config = found = mine = None
     try:
         tokens = data.load(args.data, args.vocab_size, args.data_dtype)
         config = GPTConfig(vocab_size=tokens.vocab_size, seq_len=args.seq_len, **CONFIGS[args.model])
         parallelize.check_layout(args, config, world_size)
         data.check(tokens, args.seq_len)
+        # The same files on every rank (a host whose copy differs, or lacks a shard, would train on other
+        # tokens): each rank's files' names, sizes and first and last bytes, compared with rank 0's below.
+        mine = data.fingerprint(tokens)
     except ValueError as error:
         found = str(error)
     except OSError as error:  # a file this rank may not read
         found = f"--data {error.filename or args.data}: {error.strerror}"
+    except Exception as error:  # anything else, said by the rank that met it: never a rank left out of agree
+        found = f"{type(error).__name__}: {error}"
     agree(found)
-    # The same files on every rank (a host whose copy differs, or lacks a shard, would train on other tokens):
-    # each rank compares its files' names, sizes and first and last bytes with rank 0's.
-    mine = data.fingerprint(tokens)
     first = [mine]
     dist.broadcast_object_list(first, src=0)
     agree(None if mine == first[0] else f"--data {args.data}: {data.difference(mine, first[0])}")
@@ -145,13 +157,17 @@ def out_dir(args: argparse.Namespace, rank: int) -> None:
                 open(os.path.join(args.out_dir, "metrics.jsonl"), "a").close()
             problem[1] = os.path.join(args.out_dir, f".probe-{os.urandom(6).hex()}")  # this job's alone
             open(problem[1], "w").close()  # the folder takes new files
-            if args.export:
+            if args.export:  # a file of its own beside it (never export()'s .tmp, which another job may be writing)
                 if os.path.isdir(args.export):
                     raise IsADirectoryError(21, "is a folder", args.export)
-                open(args.export + ".tmp", "wb").close()  # the file export() will write, then rename
-                os.remove(args.export + ".tmp")
+                probe = os.path.join(os.path.dirname(args.export) or ".", f".probe-{os.urandom(6).hex()}")
+                open(probe, "wb").close()
+                os.remove(probe)
         except OSError as error:
             problem[0] = f"{error.filename}: {error.strerror}"
+            if problem[1]:
+                with contextlib.suppress(OSError):
+                    os.remove(problem[1])
     dist.broadcast_object_list(problem, src=0)  # every rank stops, or none does
     if problem[0]:
         raise ValueError(problem[0])
@@ -159,9 +175,10 @@ def out_dir(args: argparse.Namespace, rank: int) -> None:
     try:
         agree(None if seen else f"--out_dir {args.out_dir}: the file that rank 0 wrote there is not seen: "
                                 "checkpoints need a folder that every rank shares")
-    finally:  # after it every rank has looked: rank 0 may remove the file
+    finally:  # after it every rank has looked: rank 0 may remove the file (another job's lock() may have)
         if rank == 0:
-            os.remove(problem[1])
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(problem[1])
 
 
 def token_ids(args: argparse.Namespace, tokens: data.Tokens, rank: int, world_size: int,

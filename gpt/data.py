@@ -51,7 +51,7 @@ HEADER_BYTES = 256 * 4  # llm.c's header: 256 little-endian int32
 HEADERS = {20240520: (1, np.uint16), 20240801: (7, np.uint32)}  # magic: (version, ids), llm.c's data_common.py
 # A shard's name, as nanoGPT's prepare.py and llm.c's scripts write them: train.bin, val.bin;
 # fineweb_train_000001.bin, tiny_shakespeare_val.bin. Any other .bin file in the folder is refused by name.
-SHARD = re.compile(r"^(?:.+_)?(train|val)(?:_\d+)?\.bin$")
+SHARD = re.compile(r"^(?:(.+)_)?(train|val)(?:_\d+)?\.bin$")  # (NAME, split); one NAME a folder
 SHARD_NAMES = "train.bin and val.bin, or NAME_train_N.bin and NAME_val_N.bin as llm.c writes"
 CHECKED = "data_check.json"  # in OUT_DIR: each file's largest id, so that a restart reads no data
 
@@ -154,7 +154,7 @@ def load(spec: str, vocab_size: int | None = None, dtype: str | None = None) -> 
 
 
 def _folder(folder: str, vocab_size: int | None, dtype: str | None) -> Tokens:
-    found = {"train": [], "val": []}
+    found, names = {"train": [], "val": []}, set()
     for name in sorted(os.listdir(folder)):  # name order: each split's files are one stream in this order
         if not name.lower().endswith(".bin"):
             continue  # nanoGPT's meta.pkl, a README, ...
@@ -162,7 +162,11 @@ def _folder(folder: str, vocab_size: int | None, dtype: str | None) -> Tokens:
         if not match:  # train_old.bin, A_TRAIN.bin: never trained on in silence
             raise ValueError(f"--data {os.path.join(folder, name)}: not a shard's name ({SHARD_NAMES}): "
                              "rename it, or move it out of the folder")
-        found[match[1]].append(os.path.join(folder, name))
+        found[match[2]].append(os.path.join(folder, name))
+        names.add(match[1] or "")
+    if len(names) > 1:  # old_train.bin beside train.bin, edu_fineweb_ beside fineweb_: two streams as one
+        raise ValueError(f"--data {folder}: shards of {len(names)} data sets ("
+                         f"{', '.join(repr(n + '_' if n else '') for n in sorted(names))}): one a folder")
     for split, paths in found.items():
         if not paths:
             raise ValueError(f"--data {folder}: no {split} shard in it ({SHARD_NAMES}; or give synthetic, or a "

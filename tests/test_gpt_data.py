@@ -185,6 +185,25 @@ def test_a_bin_file_not_named_as_a_shard_is_refused_by_name(stray, tmp_path):
                                  "the folder"
 
 
+@pytest.mark.parametrize(("other", "names"), [("old_train.bin", "'fineweb_', 'old_'"),
+                                              ("edu_fineweb_train_000001.bin", "'edu_fineweb_', 'fineweb_'"),
+                                              ("train_val.bin", "'fineweb_', 'train_'")])
+def test_shards_of_two_data_sets_in_one_folder_are_refused(other, names, tmp_path):
+    """Each name matches on its own, but two data sets in one folder would be read as one stream."""
+    for name in ("fineweb_train_000001.bin", "fineweb_val_000000.bin"):
+        llmc(tmp_path / name, GOOD)
+    llmc(tmp_path / other, GOOD)
+    with pytest.raises(ValueError) as refused:
+        load(str(tmp_path))
+    assert str(refused.value) == f"--data {tmp_path}: shards of 2 data sets ({names}): one a folder"
+    (tmp_path / other).unlink()
+    for name in ("tiny_shakespeare_train.bin", "tiny_shakespeare_val.bin"):  # llm.c's name of two words, alone
+        llmc(tmp_path / name, GOOD)
+    for name in ("fineweb_train_000001.bin", "fineweb_val_000000.bin"):
+        (tmp_path / name).unlink()
+    assert load(str(tmp_path)).counts == (1, 1)
+
+
 def test_a_job_refused_for_a_held_lock_reads_no_data(tmp_path):
     """OUT_DIR's lock is taken before the data is read in full: a second job on a running job's folder (its lock
     held here) is refused at once, though its data, 2 TiB of sparse zeros, would take the ranks far longer than the
