@@ -14,7 +14,6 @@ against a lighthouse started apart (`torchft_lighthouse --min_replicas 1`). A cl
 """
 import argparse
 import ctypes
-import fcntl
 import os
 import re
 import signal
@@ -201,15 +200,13 @@ def diloco(args: argparse.Namespace, model, inner, manager: Manager, counted: li
 
 def launch(args: argparse.Namespace) -> int:
     """The lighthouse, and a process per replica; the one --kill names is started again when it dies."""
-    if args.out_dir:  # one launcher per folder, held till it exits: a second would overwrite replica_R.pt
-        lock = os.open(os.path.join(args.out_dir, "lock"), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            sys.exit(f"error: --out_dir {args.out_dir} is in use by another launcher (it holds {args.out_dir}/lock)")
     try:
+        if args.out_dir:  # one launcher a folder: its lock, held till it exits (a second would overwrite replica_R.pt)
+            os.lockf(os.open(os.path.join(args.out_dir, "lock"), os.O_RDWR | os.O_CREAT), os.F_TLOCK, 0)
         lighthouse = LighthouseServer(bind=f"127.0.0.1:{args.lighthouse_port}", min_replicas=1,
                                       join_timeout_ms=200, heartbeat_timeout_ms=1000)
+    except BlockingIOError:
+        sys.exit(f"error: --out_dir {args.out_dir} is in use by another launcher (it holds {args.out_dir}/lock)")
     except RuntimeError as error:  # a port already taken, say
         sys.exit(f"error: the lighthouse cannot listen on 127.0.0.1:{args.lighthouse_port}: {error}")
     for signum in (signal.SIGTERM, signal.SIGINT):  # so that `finally` stops the replicas

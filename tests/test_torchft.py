@@ -4,7 +4,6 @@ never stop stepping, and all end with the same weights, bit for bit; DiLoCo all-
 and its replicas are equal after each; bad input is one line, and nothing is left running.
 
 Every run goes through launch.run, which fails a test that leaves any process behind."""
-import fcntl
 import os
 import re
 import socket
@@ -144,7 +143,7 @@ def test_bad_input_is_one_line_and_nothing_is_left_running(case, tmp_path):
                                                          f"(it holds {tmp_path}/lock)"),
     }[case]
     lock = os.open(tmp_path / "lock", os.O_RDWR | os.O_CREAT)  # a first launcher's, held as it holds it
-    fcntl.flock(lock, fcntl.LOCK_EX)
+    os.lockf(lock, os.F_LOCK, 0)
     if case == "no torchft":
         code = "import runpy, sys; sys.modules['torchft'] = None; sys.argv[0] = 'fault_tolerance.py'; " \
                "runpy.run_path('fault_tolerance.py', run_name='__main__')"
