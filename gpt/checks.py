@@ -72,14 +72,9 @@ def failure(error: BaseException, rank: int) -> str | None:
     consequence = isinstance(error, dist.DistError) or any(
         words in str(error) for words in ("Connection closed by peer", "Connection reset by peer", "Timed out"))
     try:
-        store = dist.distributed_c10d._get_default_store()  # private in torch 2.13: the group's own store
-        store.set_timeout(timedelta(seconds=10))  # its host may be gone too: not its default minutes
-        if consequence:
-            first = store.get("failure").decode() if store.check(["failure"]) else mine
-        else:
-            first = store.compare_set("failure", "", mine).decode()  # set only where no rank's is
+        first = note(mine, only_read=consequence)
         finder, host, cause = json.loads(first)
-        said = first != mine and store.add(f"stopped on {where()}", 1) == 1  # one line a host
+        said = first != mine and _store().add(f"stopped on {where()}", 1) == 1  # one line a host
     except Exception:  # no store to tell: this rank's own error, as Python prints it
         finder, host, cause, said = rank, where(), line, False
     if finder == rank:
@@ -100,10 +95,30 @@ def elastic_error(line: str) -> None:
                                                                   "timestamp": str(int(time.time()))}}}, file)
 
 
+def _store() -> dist.Store:
+    store = dist.distributed_c10d._get_default_store()  # private in torch 2.13: the group's own store
+    store.set_timeout(timedelta(seconds=10))  # its host may be gone too: not its default minutes
+    return store
+
+
+def note(failure: str, only_read: bool = False) -> str:
+    """The first failure noted in the job's store ([rank, where, line] as JSON): `failure`, where no rank's is yet
+    (with only_read, it is not noted, and returned when none is)."""
+    store = _store()
+    if only_read:
+        return store.get("failure").decode() if store.check(["failure"]) else failure
+    return store.compare_set("failure", "", failure).decode()
+
+
 def report(error: ValueError, rank: int) -> None:
     """An error's one line, as JobError.lines says (a plain ValueError: found alike by every rank, printed by rank
-    0), and the line in torchrun's error file for this worker, which its summary prints in place of a traceback."""
+    0), and the line in torchrun's error file for this worker, which its summary prints in place of a traceback.
+    A plain ValueError is noted in the job's store as well: where only this rank met it (not rank 0), its peers'
+    next collective fails, and they name it from there (failure)."""
     line = f"error: {error}"
+    if not isinstance(error, JobError):
+        with contextlib.suppress(Exception):  # no group: nobody to tell
+            note(json.dumps([rank, where(), f"ValueError: {error}"]))
     printed, line = error.lines(rank) if isinstance(error, JobError) else (line if rank == 0 else None, line)
     if printed:
         print(printed, file=sys.stderr, flush=True)

@@ -1,7 +1,18 @@
-"""What several test files share: one set of small DDP runs, made once per session."""
-import pytest
-from harness import spawn
-from workers import train_script
+"""What several test files share: one set of small DDP runs, made once per session (once for all
+pytest-xdist workers: tests/once.py, whose folder is made here before the workers start)."""
+import os
+import shutil
+import tempfile
+
+# Idle OpenMP threads sleep rather than spin. torch's CPU build spins them, and two torch processes spinning
+# on this machine's 2 cores (two pytest-xdist workers, a test beside its launch) took 112 s for a 10 s run.
+# OpenMP reads this as torch loads it: set before any import of torch, and inherited by every process started.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+from harness import spawn  # noqa: E402
+from once import once  # noqa: E402
+from workers import train_script  # noqa: E402
 
 # Small and awkward on purpose: 7 per batch leaves a short last batch, 50 validation samples shard
 # unevenly. 300 training samples divide by 2, 3 and 4, so that the ranks' i-th batches together are the
@@ -14,4 +25,16 @@ WORLD_SIZES = [2, 3]
 def ddp_runs() -> dict[int, tuple[list[dict], list[str]]]:
     """{world_size: (every rank's final weights, every rank's stdout)} for singlenode_cpu's train()
     with ARGV, each world size in a process group of its own."""
-    return {n: spawn(train_script, n, "singlenode_cpu", ARGV, timeout=90) for n in WORLD_SIZES}
+    return once("ddp_runs", lambda _: {n: spawn(train_script, n, "singlenode_cpu", ARGV, timeout=90)
+                                       for n in WORLD_SIZES})
+
+
+def pytest_configure(config) -> None:
+    if "ONCE_DIR" not in os.environ:  # the session's first process: xdist's workers inherit it
+        os.environ["ONCE_DIR"] = config.once_dir = tempfile.mkdtemp(prefix="pytest-once-")
+
+
+def pytest_unconfigure(config) -> None:
+    if hasattr(config, "once_dir"):
+        shutil.rmtree(config.once_dir, ignore_errors=True)
+        del os.environ["ONCE_DIR"]

@@ -17,12 +17,12 @@ import re
 import shlex
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from harness import torchrun_in_process
 from launch import REPO, run
+from once import once
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 MACHINE = re.compile(r"^Machine-dependent figures \((.+); (\d{4}-\d{2}-\d{2})\):$")
@@ -189,15 +189,11 @@ def run_command(line: str, cwd: Path) -> Output:
     return Output((result.returncode,), tuple(map(tuple, by_rank(result.stdout) + by_rank(result.stderr))), cwd)
 
 
-_FOLDERS = tempfile.TemporaryDirectory()  # removed when the test session ends
-
-
 @functools.cache
 def rerun(*lines: str) -> tuple[Output, ...]:
-    """Run the commands in order in a fresh folder, once per test session whoever asks: a lesson's
-    tests and the docs test share the run. The folder (Output.cwd) lasts as long as the session."""
-    folder = Path(tempfile.mkdtemp(dir=_FOLDERS.name))
-    return tuple(run_command(line, folder) for line in lines)
+    """Run the commands in order in a fresh folder, once per test session whoever asks (tests/once.py): a
+    lesson's tests and the docs test share the run. The folder (Output.cwd) lasts as long as the session."""
+    return once("rerun\n" + "\n".join(lines), lambda folder: tuple(run_command(line, folder) for line in lines))
 
 
 def succeeded(line: str) -> str:

@@ -1,5 +1,6 @@
-"""gpt/train.py whose rank 1 fails on its own in its third step (an OSError, as a read from a failing disk would
-raise), for tests/test_gpt_checkpoints.py: the others' next collective fails on its closed connections."""
+"""gpt/train.py whose rank 1 fails on its own in its third step, for tests/test_gpt_checkpoints.py: an OSError, as a
+read from a failing disk would raise, or with FAIL_WITH=ValueError a ValueError, the kind of a bad input's one
+line, met by this rank alone. The others' next collective fails on its closed connections."""
 import os
 import sys
 from pathlib import Path
@@ -16,6 +17,8 @@ calls = []
 def failing_step(*args, **kwargs):
     calls.append(1)
     if os.environ["RANK"] == "1" and len(calls) == 3:
+        if os.environ.get("FAIL_WITH") == "ValueError":
+            raise ValueError("a value that only rank 1 met")
         raise OSError(5, "Input/output error")
     return step(*args, **kwargs)
 

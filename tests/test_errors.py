@@ -5,6 +5,7 @@ import contextlib
 import importlib
 import io
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -19,11 +20,12 @@ TRAINING_LESSONS = sorted(path.name for path in REPO.glob("*.py")
                           and not path.name.startswith("bench"))
 
 
-def run_main(script: str, *argv: str, env: dict | None = None) -> tuple[int, str, str]:
-    """Run script.main() in this process, as `python script.py argv` would, and return (exit code, stdout,
-    stderr): much cheaper than a new process. As Python does at exit, a SystemExit that carries a message
-    prints it on stderr and exits 1."""
-    module = importlib.import_module(script.removesuffix(".py"))
+def run_main(script: str | types.ModuleType, *argv: str, env: dict | None = None) -> tuple[int, str, str]:
+    """Run script.main() in this process (script: a root script's name, or the module), as `python script.py
+    argv` would, and return (exit code, stdout, stderr): much cheaper than a new process. As Python does at
+    exit, a SystemExit that carries a message prints it on stderr and exits 1."""
+    module = importlib.import_module(script.removesuffix(".py")) if isinstance(script, str) else script
+    script = script if isinstance(script, str) else Path(module.__file__).name
     saved_argv, sys.argv = sys.argv, [script, *argv]
     out, err = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as patch:

@@ -15,12 +15,12 @@ import pytest
 import torch
 from harness import torchrun_in_process
 from launch import REPO, python
+from test_errors import run_main
 from test_gpt import text_file  # noqa: F401 (a fixture: the README and docs as one file)
 
 sys.path.insert(0, str(REPO))
 from gpt.model import GPT  # noqa: E402
 
-SAMPLE = "gpt/sample.py"
 ARGV = ("--max_steps", "30", "--seq_len", "16", "--log_every", "30", "--eval_every", "30", "--val_tokens", "256")
 FOLDERS = tempfile.TemporaryDirectory()  # each exported model, removed with the session
 
@@ -57,10 +57,10 @@ def import_sample() -> types.ModuleType:
 
 
 def run_sample(model: Path, *argv: str) -> str:
-    """`python gpt/sample.py MODEL argv`'s stdout, after checking that it exited 0."""
-    result = python(SAMPLE, str(model), *argv)
-    assert result.returncode == 0 and not result.stderr, result.stderr
-    return result.stdout
+    """`python gpt/sample.py MODEL argv`'s stdout (its main() run here), after checking that it exited 0."""
+    code, stdout, stderr = run_main(import_sample(), str(model), *argv)
+    assert code == 0 and not stderr, stderr
+    return stdout
 
 
 def greedy(model: GPT, ids: list[int], length: int) -> list[int]:
@@ -187,7 +187,7 @@ BAD_INPUT = [
 @pytest.mark.parametrize(("argv", "error"), BAD_INPUT, ids=[" ".join(argv) for argv, _ in BAD_INPUT])
 def test_bad_input_gets_one_line_and_a_non_zero_exit(argv, error, text_model, text_file):  # noqa: F811
     names = {"text": text_model, "folder": text_model.parent, "data": text_file, "ids": exported("synthetic")}
-    result = python(SAMPLE, *(a.format(**names) for a in argv))
-    assert result.returncode != 0 and error.format(**names) in result.stderr, result.stderr
-    said = [line for line in result.stderr.splitlines() if not line.startswith(("usage:", " "))]  # argparse's usage
-    assert len(said) == 1 and "Traceback" not in result.stderr and not result.stdout, result.stderr
+    code, stdout, stderr = run_main(import_sample(), *(a.format(**names) for a in argv))  # an exception: red
+    assert code != 0 and error.format(**names) in stderr, stderr
+    said = [line for line in stderr.splitlines() if not line.startswith(("usage:", " "))]  # argparse's usage
+    assert len(said) == 1 and not stdout, stderr

@@ -19,6 +19,8 @@ finish the job. Lists separated by commas name one moment per attempt, the first
 The rank comes from RANK (torchrun) or from the spawn index (mp.spawn).
 
     SLOW_SAVE=8                   every checkpoint write of every process takes 8 s longer
+    SLOW_STEP=0.25                every optimizer step of every process takes 0.25 s longer (a run a test can
+                                  signal mid-way in few steps)
 """
 import os
 
@@ -108,3 +110,16 @@ if "SLOW_SAVE" in os.environ:
         _replace_fast(source, destination, **kwargs)
 
     os.replace = replace_slowly
+
+if "SLOW_STEP" in os.environ:
+    import time
+
+    import torch
+
+    _step_fast = torch.optim.Adam.step  # gpt/'s AdamW's too
+
+    def step_slowly(self, *args, **kwargs):
+        time.sleep(float(os.environ["SLOW_STEP"]))
+        return _step_fast(self, *args, **kwargs)
+
+    torch.optim.Adam.step = step_slowly
