@@ -5,6 +5,7 @@ repeats a text; a text model reads and prints text, any other vocab ids; bad inp
 The models are trained here for 30 steps with --seq_len 16: the texts of 40 and 60 tokens run past
 it, so sample.py must crop its context."""
 import functools
+import importlib
 import string
 import sys
 import tempfile
@@ -41,19 +42,23 @@ def text_model(text_file) -> Path:  # noqa: F811
 
 
 @functools.cache
-def import_sample() -> types.ModuleType:
-    """gpt/sample.py as a module of this process. It imports gpt/model.py as `model`, a name that the
+def import_gpt(name: str) -> types.ModuleType:
+    """gpt/NAME.py as a module of this process. It imports gpt/model.py as `model`, a name that the
     root's model.py holds here: swapped out for the import, then back."""
     root = sys.modules.pop("model", None)
     sys.path.insert(0, str(REPO / "gpt"))
     try:
-        import sample
+        module = importlib.import_module(name)
     finally:
         sys.path.remove(str(REPO / "gpt"))
         sys.modules.pop("model", None)
         if root is not None:
             sys.modules["model"] = root
-    return sample
+    return module
+
+
+def import_sample() -> types.ModuleType:
+    return import_gpt("sample")
 
 
 def run_sample(model: Path, *argv: str) -> str:

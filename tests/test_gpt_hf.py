@@ -1,0 +1,110 @@
+"""gpt/hf.py export: a folder that transformers' GPT2LMHeadModel.from_pretrained loads, whose logits are gpt/'s
+(fp32, within 1e-5) for a model trained under ddp and one trained under fsdp 2 × tp 2 and read from its
+checkpoint folder; the head stays tied; a padded vocabulary is kept or cut, and said; bad input is one line."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from harness import torchrun_in_process
+from launch import REPO
+from test_errors import run_main
+from test_gpt_sample import import_gpt
+from transformers import GPT2LMHeadModel
+
+sys.path.insert(0, str(REPO))
+from gpt.model import GPT, GPTConfig  # noqa: E402
+
+ARGV = ("--max_steps", "4", "--save_every", "4", "--seq_len", "32", "--log_every", "4", "--eval_every", "4",
+        "--val_tokens", "256", "--lr", "3e-3")
+
+
+def export(*argv: str) -> str:
+    """`python gpt/hf.py export argv`'s line (its main() run here), after checking that it exited 0."""
+    code, stdout, stderr = run_main(import_gpt("hf"), "export", *argv)
+    assert code == 0 and not stderr, stderr
+    return stdout
+
+
+def logits(model: GPT | GPT2LMHeadModel, vocab: int, seq_len: int) -> torch.Tensor:
+    ids = torch.randint(vocab, (3, seq_len), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model.eval()(ids)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def assert_same_model(folder: Path, ours: GPT) -> GPT2LMHeadModel:
+    theirs = GPT2LMHeadModel.from_pretrained(folder)
+    assert theirs.lm_head.weight.data_ptr() == theirs.transformer.wte.weight.data_ptr()  # tied, as ours
+    c = ours.config
+    expected = logits(ours, c.vocab_size, c.seq_len)
+    assert expected.abs().max() > 0.1  # a model that says something, not zeros
+    torch.testing.assert_close(logits(theirs, c.vocab_size, c.seq_len), expected, rtol=0, atol=1e-5)
+    return theirs
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict[str, Path]:
+    """{layout: folder} of 4-step runs, each with OUT_DIR (out/) and its --export (model.pt)."""
+    folders = {}
+    for name, nproc, layout in (("ddp 2", 2, ("--batch_size", "2", "--grad_accum", "3")),
+                                ("fsdp 2 × tp 2", 4, ("--parallel", "fsdp", "--tp", "2", "--batch_size", "6"))):
+        folder = folders[name] = tmp_path_factory.mktemp("run")
+        result = torchrun_in_process(nproc, "gpt/train.py", *ARGV, *layout, "--out_dir", "out", "--export",
+                                     "model.pt", cwd=folder, timeout=120)
+        assert result.codes == [0] * nproc, result.stderr
+    return folders
+
+
+@pytest.mark.parametrize("layout", ["ddp 2", "fsdp 2 × tp 2"])
+def test_transformers_computes_the_logits_of_the_exported_model(layout, trained, tmp_path):
+    """From the --export file, and from the checkpoint folder that the same run saved at its last step (DCP's
+    shards, read whole in one process): the same file, and transformers' logits within 1e-5 of GPT.load's."""
+    folder = trained[layout]
+    said = export(str(folder / "model.pt"), str(tmp_path / "from_file"))
+    assert said == f"wrote {tmp_path / 'from_file'} from {folder / 'model.pt'}: GPT2LMHeadModel, 2 layers, vocab 64\n"
+    assert_same_model(tmp_path / "from_file", GPT.load(str(folder / "model.pt")))
+    assert f"from {folder / 'out' / 'step_00000004'}:" in export(str(folder / "out"), str(tmp_path / "from_out"))
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "from_out" / name).read_bytes() == (tmp_path / "from_file" / name).read_bytes(), name
+
+
+def test_a_padded_vocabulary_is_kept_and_said_or_cut_to_gpt2s(tmp_path):
+    """GPT-2's 50257 ids padded to 50304 (a multiple of 64, as train.py pads them): kept, with a word on it; with
+    --vocab_size 50257, the rows that no token uses cut, and the logits of the others unchanged."""
+    config = GPTConfig(vocab_size=50304, seq_len=16, n_layer=1, n_head=2, n_embd=32)
+    model = GPT(config)
+    model.init_weights(seed=0)
+    import_gpt("model").export(str(tmp_path / "model.pt"), config, model.state_dict())
+    said = export(str(tmp_path / "model.pt"), str(tmp_path / "kept"))
+    assert "vocab 50304 (GPT-2's 50257 padded: no token's id is 50257 or more; --vocab_size 50257 cuts)" in said
+    assert_same_model(tmp_path / "kept", model)
+    said = export(str(tmp_path / "model.pt"), str(tmp_path / "cut"), "--vocab_size", "50257")
+    assert "vocab 50257 (the first 50257 of the model's 50304 rows)" in said
+    config_json = json.loads((tmp_path / "cut" / "config.json").read_text())
+    assert config_json["vocab_size"] == 50257 and config_json["eos_token_id"] == 50256
+    theirs = GPT2LMHeadModel.from_pretrained(tmp_path / "cut").eval()
+    torch.testing.assert_close(logits(theirs, 50257, 16), logits(model, 50257, 16)[..., :50257], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["no/such.pt", "{dest}"], "error: no/such.pt: No such file or directory"),
+    (["{text}", "{dest}"], "error: {text}: not a model or checkpoint written by gpt/train.py (UnpicklingError)"),
+    (["{empty}", "{dest}"], "error: {empty}: neither a train.py --export file, nor a checkpoint folder (with its "
+                            "manifest.json), nor an OUT_DIR that holds one"),
+    (["{model}", "{dest}", "--vocab_size", "65"], "error: {model}: --vocab_size 65: the model's vocab is 64"),
+], ids=["missing", "not a model", "no checkpoint", "vocab too large"])
+def test_bad_input_is_one_line_and_writes_nothing(argv, error, trained, tmp_path):
+    names = {"dest": tmp_path / "hf", "text": REPO / "README.md", "empty": tmp_path,
+             "model": trained["ddp 2"] / "model.pt"}
+    code, stdout, stderr = run_main(import_gpt("hf"), "export", *(a.format(**names) for a in argv))
+    assert code == 1 and stderr == error.format(**names) + "\n" and not stdout, stderr
+    assert not (tmp_path / "hf").exists()
+
+
+def test_without_safetensors_it_says_how_to_install_it(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # `import safetensors` fails, as where it is not installed
+    code, _, stderr = run_main(import_gpt("hf"), "export", "model.pt", str(tmp_path / "hf"))
+    assert code == 2 and stderr.splitlines()[-1] == "hf.py: error: hf.py needs safetensors: pip install -r " \
+                                                    "requirements-hf.txt", stderr
