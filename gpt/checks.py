@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import data
+import hf
 import parallelize
 from model import CONFIGS, GPTConfig
 
@@ -144,6 +145,8 @@ def arguments_and_data(args: argparse.Namespace, world_size: int) -> tuple[data.
         config = GPTConfig(vocab_size=tokens.vocab_size, seq_len=args.seq_len, **CONFIGS[args.model])
         parallelize.check_layout(args, config, world_size)
         data.check(tokens, args.seq_len)
+        if args.init_from:
+            hf.check(args.init_from, config)  # its config.json and files: the weights are read after the lock
         # The same files on every rank (a host whose copy differs, or lacks a shard, would train on other
         # tokens): each rank's files' names, sizes and first and last bytes, compared with rank 0's below.
         mine = data.fingerprint(tokens)

@@ -44,6 +44,89 @@ def to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.
     return {name: tensor.contiguous() for name, tensor in hf.items()}
 
 
+def check(folder: str, config: GPTConfig) -> list[str]:
+    """The weight files of a Hugging Face GPT-2 folder that fits `config`, the run's model (the same layers, heads
+    and width; as many positions or more; a vocabulary as large or smaller), from its config.json alone; else a
+    ValueError, one line."""
+    try:
+        with open(os.path.join(folder, "config.json")) as file:
+            theirs = json.load(file)
+    except OSError as error:
+        raise ValueError(f"--init_from {folder}: {error.strerror or error}: not a Hugging Face model folder") from None
+    if theirs.get("model_type") != "gpt2":
+        raise ValueError(f"--init_from {folder}: a {theirs.get('model_type')!r} model (config.json), not GPT-2's")
+    for name in ("n_layer", "n_head", "n_embd"):
+        if theirs.get(name) != getattr(config, name):
+            raise ValueError(f"--init_from {folder}: its {name} is {theirs.get(name)}, --model's "
+                             f"{getattr(config, name)}")
+    if theirs.get("activation_function", "gelu_new") != "gelu_new" or not theirs.get("tie_word_embeddings", True):
+        raise ValueError(f"--init_from {folder}: GPT-2 with another activation or an untied head, which gpt/ lacks")
+    if theirs.get("n_positions", 0) < config.seq_len or theirs.get("vocab_size", 0) > config.vocab_size:
+        raise ValueError(f"--init_from {folder}: {theirs.get('n_positions')} positions and vocab "
+                         f"{theirs.get('vocab_size')}; the run needs --seq_len {config.seq_len} or fewer positions "
+                         f"and a vocab of {config.vocab_size} or less")
+    index = os.path.join(folder, "model.safetensors.index.json")
+    files = [os.path.join(folder, "model.safetensors")]
+    if os.path.isfile(index):
+        with open(index) as file:
+            files = [os.path.join(folder, name) for name in sorted(set(json.load(file)["weight_map"].values()))]
+    if all(os.path.isfile(path) for path in files):
+        try:
+            import safetensors  # noqa: F401
+        except ImportError:
+            raise ValueError("--init_from of a safetensors folder needs safetensors: pip install -r "
+                             "requirements-hf.txt") from None
+        return files
+    if os.path.isfile(os.path.join(folder, "pytorch_model.bin")):
+        return [os.path.join(folder, "pytorch_model.bin")]
+    raise ValueError(f"--init_from {folder}: neither model.safetensors nor pytorch_model.bin")
+
+
+def from_hf(folder: str, config: GPTConfig) -> dict[str, torch.Tensor]:
+    """A Hugging Face GPT-2 folder's weights (config.json; model.safetensors, its index of shards, or
+    pytorch_model.bin) as gpt/model.py's state_dict for `config`, the run's model (see check): the first seq_len
+    positions; a vocabulary padded with rows that are the mean of the others (as transformers'
+    resize_token_embeddings starts new rows, so that no padding id takes the softmax's mass)."""
+    weights = {}
+    for path in check(folder, config):
+        if path.endswith(".bin"):
+            weights.update(torch.load(path, map_location="cpu", weights_only=True))  # tensors only, no code
+        else:
+            from safetensors.torch import load_file
+
+            weights.update(load_file(path))
+    weights = {name.removeprefix("transformer."): tensor for name, tensor in weights.items()}
+    try:
+        state = {"wte.weight": weights["wte.weight"], "wpe.weight": weights["wpe.weight"][:config.seq_len],
+                 "ln_f.weight": weights["ln_f.weight"], "ln_f.bias": weights["ln_f.bias"]}
+        for i in range(config.n_layer):
+            ours, hers = f"blocks.{i}.", f"h.{i}."
+            qkv = weights[f"{hers}attn.c_attn.weight"].t().chunk(3)
+            qkv_bias = weights[f"{hers}attn.c_attn.bias"].chunk(3)
+            for j, proj in enumerate("qkv"):
+                state[f"{ours}attn.{proj}.weight"], state[f"{ours}attn.{proj}.bias"] = qkv[j], qkv_bias[j]
+            for mine, her in (("attn.o", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
+                state[f"{ours}{mine}.weight"] = weights[f"{hers}{her}.weight"].t()
+                state[f"{ours}{mine}.bias"] = weights[f"{hers}{her}.bias"]
+            for norm in ("ln_1", "ln_2"):
+                state[f"{ours}{norm}.weight"] = weights[f"{hers}{norm}.weight"]
+                state[f"{ours}{norm}.bias"] = weights[f"{hers}{norm}.bias"]
+    except KeyError as error:
+        raise ValueError(f"--init_from {folder}: its weights lack {error.args[0]}") from None
+    wte = state["wte.weight"]
+    if len(wte) < config.vocab_size:
+        padding = wte.float().mean(0, keepdim=True).to(wte.dtype).expand(config.vocab_size - len(wte), -1)
+        state["wte.weight"] = torch.cat([wte, padding])
+    state["lm_head.weight"] = state["wte.weight"]
+    with torch.device("meta"):
+        shapes = {name: tensor.shape for name, tensor in GPT(config).state_dict().items()}
+    for name, tensor in state.items():
+        if tensor.shape != shapes[name]:
+            raise ValueError(f"--init_from {folder}: {name} is {tuple(tensor.shape)}, the model's "
+                             f"{tuple(shapes[name])}")
+    return {name: tensor.float().contiguous() for name, tensor in state.items()}
+
+
 def hf_config(config: GPTConfig) -> dict:
     """config.json for GPT2LMHeadModel: GPT-2's choices where gpt/model.py makes the same (tanh GELU, LayerNorm's
     eps 1e-5, attention scaled by 1/sqrt(head_dim), tied head)."""

@@ -104,11 +104,11 @@ def make_mesh(args: argparse.Namespace, world_size: int, device: torch.device) -
 
 
 def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespace, device: torch.device,
-                    init: bool = True) -> torch.nn.Module | pipeline.Pipeline:
+                    init: bool = True, start: dict | None = None) -> torch.nn.Module | pipeline.Pipeline:
     """The model, built on `meta` (no memory), laid out on `mesh` for --parallel and given its starting
-    weights: GPT.init_weights(--seed)'s in every layout, each rank drawing the whole values and keeping
-    its shard (init=False: left as allocated, for simulate.py, which only counts). Under --pp, this rank's
-    stages, each laid out so, in a pipeline.Pipeline."""
+    weights: GPT.init_weights(--seed)'s in every layout, or `start`'s (a whole state_dict: --init_from), each
+    rank taking the whole values and keeping its shard (init=False: left as allocated, for simulate.py, which
+    only counts). Under --pp, this rank's stages, each laid out so, in a pipeline.Pipeline."""
     order = [(name, param.shape) for name, param in model.named_parameters()]  # the draws of GPT.init_weights
     checkpoint_blocks(model, args.activation_checkpoint)  # before compile (traced with it) and the wrappers' hooks
     if args.compile:
@@ -119,6 +119,10 @@ def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespac
         # tied head would be a matrix of its own. FSDP's DTensors are swapped in place, and stay tied.
         model.lm_head.weight = model.wte.weight
         model.init_weights(args.seed)
+        if start is not None:  # the same parameters, in the same order, as `order` names them
+            with torch.no_grad():
+                for (name, _), param in zip(order, model.parameters(), strict=True):
+                    param.copy_(start[name])
         # DDP broadcasts rank 0's weights at construction; every rank drew the same ones anyway.
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     parts, ids = pipeline.stages(model, mesh, args) if "pp" in mesh.mesh_dim_names else ([model], [])
@@ -144,7 +148,7 @@ def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespac
                 held.setdefault("wte.weight" if name == "lm_head.weight" else name, []).append(param)
         with torch.no_grad():
             for name, shape in order:  # each full value drawn as GPT.init_weights does
-                full = model.init_value(name, shape, generator).to(device)
+                full = (model.init_value(name, shape, generator) if start is None else start[name]).to(device)
                 for param in held.get(name, []):  # keep this rank's shard
                     param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements,
                                                              src_data_rank=None).to_local())

@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checks
 import data
+import hf
 import parallelize
 import pipeline
 from checkpoint import Checkpoints
@@ -99,6 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="per block: keep only its input for backward and run it again there (full), or keep\n"
                         "the matrix products' and attention's results and recompute the rest (selective)")
     p.add_argument("--seed", type=int, default=0, help="the initial weights and the order of the batches")
+    p.add_argument("--init_from", metavar="DIR", help="start from a Hugging Face GPT-2 folder's weights (gpt/hf.py; "
+                   "a checkpoint in OUT_DIR comes first)")
     p.add_argument("--log_every", type=int, default=10, help="steps per log line (1: every step)")
     p.add_argument("--eval_every", type=int, default=100, help="steps between evaluations (and at the end)")
     p.add_argument("--val_tokens", type=int, default=32768, help="tokens in the validation set")
@@ -339,7 +342,9 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
     with torch.device("meta"):  # no memory: parallelize_gpt gives each rank what it holds, and the weights
         gpt = GPT(config)
     n_params, flops_per_token = gpt.num_params(), gpt.flops_per_token()
-    model = parallelize.parallelize_gpt(gpt, mesh, args, device)
+    start = hf.from_hf(args.init_from, config) if args.init_from else None  # checked before OUT_DIR
+    model = parallelize.parallelize_gpt(gpt, mesh, args, device, start=start)
+    del start
     dp_rank, dp_size = parallelize.data_rank(mesh, rank, world_size)  # a tp group's ranks read the same batch
     pipe = model if isinstance(model, pipeline.Pipeline) else None  # --pp: this rank's stages, and their schedule
     parts = pipe.parts if pipe else [model]
@@ -359,8 +364,8 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
         print(f"gpt {args.model} ({n_params / 1e6:.2f}M parameters) | {args.parallel} on {world_size} "
               f"rank{'s' if world_size > 1 else ''}{f' ({shape})' if shape else ''}, {device.type}"
               f"{'' if args.activation_checkpoint == 'none' else f', {args.activation_checkpoint} checkpointing'} | "
-              f"data {tokens.summary()} | global batch {global_batch} × {args.seq_len} tokens",
-              flush=True)
+              f"data {tokens.summary()} | global batch {global_batch} × {args.seq_len} tokens"
+              f"{f' | weights from {args.init_from}' if args.init_from else ''}", flush=True)
         node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         if node % args.tp:  # tp innermost: its groups stay in a node only if they tile it
             print(f"--tp {args.tp}: its groups span nodes of {node} ranks, and tp's collectives (12 a block a step) "

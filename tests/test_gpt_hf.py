@@ -1,7 +1,12 @@
-"""gpt/hf.py export: a folder that transformers' GPT2LMHeadModel.from_pretrained loads, whose logits are gpt/'s
-(fp32, within 1e-5) for a model trained under ddp and one trained under fsdp 2 × tp 2 and read from its
-checkpoint folder; the head stays tied; a padded vocabulary is kept or cut, and said; bad input is one line."""
+"""gpt/hf.py, Hugging Face's GPT-2 format both ways. Out (hf.py export): a folder that transformers'
+GPT2LMHeadModel.from_pretrained loads, whose logits are gpt/'s (fp32, within 1e-5) for a model trained under ddp
+and one trained under fsdp 2 × tp 2 and read from its checkpoint folder; the head stays tied; a padded vocabulary
+is kept or cut, and said; bad input is one line. In (train.py --init_from): a model that transformers itself
+saved (random weights: no download), whose first step's loss is transformers' on the same batch, in one process
+and under fsdp 2, tp 2 and pp 2; export then import gives the same weights bit for bit; a folder that does not
+fit is one line and nothing is written."""
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -10,8 +15,9 @@ import torch
 from harness import torchrun_in_process
 from launch import REPO
 from test_errors import run_main
+from test_gpt import text_file  # noqa: F401 (a fixture: the README and docs as one file)
 from test_gpt_sample import import_gpt
-from transformers import GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel
 
 sys.path.insert(0, str(REPO))
 from gpt.model import GPT, GPTConfig  # noqa: E402
@@ -108,3 +114,95 @@ def test_without_safetensors_it_says_how_to_install_it(monkeypatch, tmp_path):
     code, _, stderr = run_main(import_gpt("hf"), "export", "model.pt", str(tmp_path / "hf"))
     assert code == 2 and stderr.splitlines()[-1] == "hf.py: error: hf.py needs safetensors: pip install -r " \
                                                     "requirements-hf.txt", stderr
+
+
+@pytest.fixture(scope="module")
+def theirs(tmp_path_factory) -> Path:
+    """A GPT-2 of --model tiny's shape over bytes (vocab 256, 64 positions), random weights (the embedding 25
+    times GPT-2's scale), saved by transformers; beside it, the same as pytorch_model.bin (as older folders,
+    GPT-2's own among them, hold)."""
+    folder = tmp_path_factory.mktemp("hf") / "tiny"
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=2,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    with torch.no_grad():
+        model.transformer.wte.weight.mul_(25)  # logits far from uniform: a loss that no fresh gpt/ model has
+    model.save_pretrained(folder)
+    (folder.parent / "bin").mkdir()
+    shutil.copy(folder / "config.json", folder.parent / "bin")
+    torch.save(model.state_dict(), folder.parent / "bin" / "pytorch_model.bin")
+    return folder
+
+
+@pytest.mark.parametrize(("nproc", "layout"), [
+    (1, ("--batch_size", "4", "--grad_accum", "2")),
+    (2, ("--parallel", "fsdp", "--batch_size", "2", "--grad_accum", "2")),
+    (2, ("--parallel", "fsdp", "--tp", "2", "--batch_size", "4", "--grad_accum", "2")),
+    (2, ("--parallel", "fsdp", "--pp", "2", "--batch_size", "4", "--grad_accum", "2"))],
+    ids=["one process", "fsdp 2", "tp 2", "pp 2"])
+def test_the_first_loss_from_a_transformers_model_is_transformers_loss(nproc, layout, theirs, text_file,  # noqa: F811
+                                                                        tmp_path):
+    """Step 1's logged loss (before its update) against transformers' cross-entropy over the same 8 windows
+    (data.batch_starts, a function of the seed and the step alone): equal to fp32's rounding."""
+    result = torchrun_in_process(nproc, "gpt/train.py", "--data", str(text_file), "--init_from", str(theirs),
+                                 "--seq_len", "32", "--max_steps", "1", "--log_every", "1", "--eval_every", "100",
+                                 *layout, "--out_dir", "out", cwd=tmp_path, timeout=120)
+    assert result.codes == [0] * nproc, result.stderr
+    assert f"| weights from {theirs}" in result.stdouts[0]
+    logged = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    data = import_gpt("data")
+    tokens = data.load(str(text_file), None, None)
+    x, y = data.windows(tokens.train, data.batch_starts(0, 0, len(tokens.train), 32, 8), 32, torch.device("cpu"))
+    with torch.no_grad():
+        logits = GPT2LMHeadModel.from_pretrained(theirs).eval()(x).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).item()
+    assert logged == pytest.approx(expected, rel=1e-5, abs=0)
+    assert logged > 7  # not a fresh gpt/ model's loss (about ln 256 = 5.545)
+
+
+def test_export_then_import_gives_back_the_same_weights_bit_for_bit(trained, theirs, tmp_path):
+    """gpt/ to transformers and back (the ddp run's model); and a folder of pytorch_model.bin reads as its
+    safetensors twin does."""
+    hf = import_gpt("hf")
+    export(str(trained["ddp 2"] / "model.pt"), str(tmp_path / "hf"))
+    ours = GPT.load(str(trained["ddp 2"] / "model.pt"))
+    back = hf.from_hf(str(tmp_path / "hf"), ours.config)
+    assert back.keys() == ours.state_dict().keys()
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(back[name], tensor), name
+    config = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=2, n_embd=64)
+    safetensors, pickled = hf.from_hf(str(theirs), config), hf.from_hf(str(theirs.parent / "bin"), config)
+    assert all(torch.equal(safetensors[name], pickled[name]) for name in safetensors)
+
+
+def test_a_padded_run_starts_with_padding_rows_that_take_no_mass(theirs):
+    """--vocab_size 320 over a model of 256: rows 256 to 319 are the mean of the others, the first 256 theirs."""
+    state = import_gpt("hf").from_hf(str(theirs), GPTConfig(vocab_size=320, seq_len=32, n_layer=2, n_head=2,
+                                                            n_embd=64))
+    wte = GPT2LMHeadModel.from_pretrained(theirs).transformer.wte.weight.detach()
+    assert torch.equal(state["wte.weight"][:256], wte)
+    assert torch.equal(state["wte.weight"][256:], wte.mean(0, keepdim=True).expand(64, -1))
+
+
+@pytest.mark.parametrize(("change", "error"), [
+    ({"model_type": "llama"}, "a 'llama' model (config.json), not GPT-2's"),
+    ({"n_layer": 3}, "its n_layer is 3, --model's 2"),
+    ({"vocab_size": 300}, "64 positions and vocab 300; the run needs --seq_len 32 or fewer positions and a vocab of "
+                          "256 or less"),
+    ({"activation_function": "relu"}, "GPT-2 with another activation or an untied head, which gpt/ lacks"),
+    (None, "No such file or directory: not a Hugging Face model folder"),
+    ("no weights", "neither model.safetensors nor pytorch_model.bin"),
+], ids=["llama", "layers", "vocab", "relu", "no folder", "no weights"])
+def test_a_folder_that_does_not_fit_is_one_line_and_nothing_is_written(change, error, theirs, text_file,  # noqa: F811
+                                                                        tmp_path):
+    folder = tmp_path / "hf"
+    if change is not None:
+        folder.mkdir()
+        config = json.loads((theirs / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **(change if isinstance(change, dict) else {})}))
+        if change != "no weights":
+            shutil.copy(theirs / "model.safetensors", folder)
+    result = torchrun_in_process(1, "gpt/train.py", "--data", str(text_file), "--init_from", str(folder),
+                                 "--seq_len", "32", "--max_steps", "1", "--out_dir", "out", cwd=tmp_path, timeout=60)
+    assert result.codes == [1] and result.stderr.strip() == f"error: --init_from {folder}: {error}", result.stderr
+    assert not (tmp_path / "out").exists()
