@@ -77,7 +77,12 @@ def failure(error: BaseException, rank: int) -> str | None:
         finder, host, cause = json.loads(first)
         said = first != mine and _store().add(f"stopped on {where()}", 1) == 1  # one line a host
     except Exception:  # no store to tell: this rank's own error, as Python prints it
-        finder, host, cause, said = rank, where(), line, False
+        first, finder, host, cause, said = mine, rank, where(), line, False
+    if consequence and first == mine:  # no rank noted one: this rank found nothing itself, and says so
+        elastic_error(f"stopped: {line} (no rank noted a failure: a peer killed, stopped or hung, or its host lost)")
+        print(f"stopped: a collective failed, and no rank noted a failure (a peer killed, stopped or hung, or its "
+              f"host lost): {line}", file=sys.stderr, flush=True)
+        return "stopped"
     if finder == rank:
         elastic_error(f"error: {cause} (rank {rank} on {host})")
         return None
@@ -136,6 +141,9 @@ def agree(found: str | None) -> None:
         raise JobError(every[finders[0]][0], finders, [host for _, host in every])
 
 
+PER_HOST = ("data", "out_dir", "export", "init_from")  # options that may name a path otherwise on another host
+
+
 def arguments_and_data(args: argparse.Namespace, world_size: int) -> tuple[data.Tokens, GPTConfig]:
     """(the data, the model's config), once every rank has looked at what it can see alone: the layout against
     the model, and the data's files (their headers and sizes, none read in full), the same on every rank."""
@@ -157,9 +165,16 @@ def arguments_and_data(args: argparse.Namespace, world_size: int) -> tuple[data.
     except Exception as error:  # anything else, said by the rank that met it: never a rank left out of agree
         found = f"{type(error).__name__}: {error}"
     agree(found)
-    first = [mine]
+    # The same options on every rank (each node's torchrun passes its own command line: one that differs, as
+    # another --lr or --max_steps, would train another schedule or hang at a collective that the others skip),
+    # paths aside (each host may mount them elsewhere: --data's files are compared, OUT_DIR is tried).
+    options = {name: value for name, value in vars(args).items() if name not in PER_HOST}
+    first = [mine, options]
     dist.broadcast_object_list(first, src=0)
-    agree(None if mine == first[0] else f"--data {args.data}: {data.difference(mine, first[0])}")
+    differ = [f"--{name} {value} where rank 0 has {first[1].get(name)}" for name, value in options.items()
+              if value != first[1].get(name)]
+    agree(f"every rank must be given the same options: {'; '.join(differ)}" if differ else
+          None if mine == first[0] else f"--data {args.data}: {data.difference(mine, first[0])}")
     return tokens, config
 
 
@@ -181,14 +196,15 @@ def out_dir(args: argparse.Namespace, rank: int) -> None:
                 probe = os.path.join(os.path.dirname(args.export) or ".", f".probe-{os.urandom(6).hex()}")
                 open(probe, "wb").close()
                 os.remove(probe)
-        except OSError as error:
-            problem[0] = f"{error.filename}: {error.strerror}"
+        except OSError as error:  # the probe beside --export named by --export's path: the file it would write
+            name = args.export if args.export and ".probe-" in os.path.basename(str(error.filename)) and \
+                os.path.dirname(str(error.filename)) != args.out_dir else error.filename
+            problem[0] = f"{name}: {error.strerror}"
             if problem[1]:
                 with contextlib.suppress(OSError):
                     os.remove(problem[1])
     dist.broadcast_object_list(problem, src=0)  # every rank stops, or none does
-    if problem[0]:
-        raise ValueError(problem[0])
+    agree(problem[0] if rank == 0 else None)  # rank 0's finding: named as such on every host
     seen = os.path.exists(problem[1])
     try:
         agree(None if seen else f"--out_dir {args.out_dir}: the file that rank 0 wrote there is not seen: "

@@ -51,7 +51,7 @@ HEADER_BYTES = 256 * 4  # llm.c's header: 256 little-endian int32
 HEADERS = {20240520: (1, np.uint16), 20240801: (7, np.uint32)}  # magic: (version, ids), llm.c's data_common.py
 # A shard's name, as nanoGPT's prepare.py and llm.c's scripts write them: train.bin, val.bin;
 # fineweb_train_000001.bin, tiny_shakespeare_val.bin. Any other .bin file in the folder is refused by name.
-SHARD = re.compile(r"^(?:(.+)_)?(train|val)(?:_\d+)?\.bin$")  # (NAME, split); one NAME a folder
+SHARD = re.compile(r"^(?:(.+)_)?(train|val)(?:_(\d+))?\.bin$")  # (NAME, split, N); one NAME a folder
 SHARD_NAMES = "train.bin and val.bin, or NAME_train_N.bin and NAME_val_N.bin as llm.c writes"
 CHECKED = "data_check.json"  # in OUT_DIR: each file's largest id, so that a restart reads no data
 
@@ -153,9 +153,15 @@ def load(spec: str, vocab_size: int | None = None, dtype: str | None = None) -> 
     return Tokens(text.tokens[:cut], text.tokens[cut:], vocab_size or 256, None, spec, [text], (1, 1))
 
 
+def shard_order(name: str) -> tuple:
+    """By name, and a shard's N as a number: train_2.bin before train_10.bin (llm.c's N, zero-padded, sort alike)."""
+    match = SHARD.match(name)
+    return (name, 0) if not match or match[3] is None else (name[:match.start(3)], int(match[3]))
+
+
 def _folder(folder: str, vocab_size: int | None, dtype: str | None) -> Tokens:
     found, names = {"train": [], "val": []}, set()
-    for name in sorted(os.listdir(folder)):  # name order: each split's files are one stream in this order
+    for name in sorted(os.listdir(folder), key=shard_order):  # each split's files are one stream in this order
         if not name.lower().endswith(".bin"):
             continue  # nanoGPT's meta.pkl, a README, ...
         match = SHARD.match(name)

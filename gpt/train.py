@@ -281,12 +281,13 @@ def resume(args: argparse.Namespace, checkpoints: Checkpoints, parts: list[torch
                    if manifest["run"].get(name) != value]
         schedule = [name for name in ("lr", "min_lr", "warmup_steps", "max_steps")
                     if manifest["run"].get(f"--{name}", getattr(args, name)) != getattr(args, name)]
+        lr = ""
         if schedule:  # the new schedule from the next step on: a longer --max_steps stretches the cosine
             old = argparse.Namespace(**{**vars(args), **{n: manifest["run"][f"--{n}"] for n in schedule}})
-            changed[-1] += (f"; the learning rate of step {manifest['step'] + 1}: {lr_at(manifest['step'], args):.2e}"
-                            f" (the old schedule's: {lr_at(manifest['step'], old):.2e})")
+            lr = (f"; the learning rate of step {manifest['step'] + 1}: {lr_at(manifest['step'], args):.2e} (the "
+                  f"old schedule's: {lr_at(manifest['step'], old):.2e})")
         if changed:
-            print(f"changed since that checkpoint, as asked: {', '.join(changed)}", flush=True)
+            print(f"changed since that checkpoint, as asked: {', '.join(changed)}{lr}", flush=True)
     return manifest["step"]
 
 
@@ -329,7 +330,11 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     checks.out_dir(args, rank)
     checkpoints = Checkpoints(args.out_dir, rank, world_size, args.keep, args.timeout or 1800.0)
     try:
-        no_lock = checkpoints.lock()
+        try:
+            no_lock = checkpoints.lock()
+        except ValueError as error:  # every rank raises rank 0's verdict: named as rank 0's on every host
+            checks.agree(str(error) if rank == 0 else None)
+            raise
         checks.token_ids(args, tokens, rank, world_size, device)
         return train_steps(args, config, tokens, checkpoints, no_lock, rank, world_size, device)
     finally:

@@ -344,6 +344,19 @@ def test_an_out_dir_that_a_rank_does_not_share_is_refused_before_any_step(tmp_pa
     assert list((tmp_path / "out").iterdir()) == []
 
 
+def test_a_rank_given_other_options_stops_the_job_before_out_dir(tmp_path):
+    """Rank 2 of 3 given another --lr and --max_steps (a node whose command line differs): refused in one line
+    by the rank that differs, before OUT_DIR exists; the others say they stopped for it. Unchecked, the ranks
+    trained two schedules, or one hung at a collective the others skipped."""
+    result = torchrun_in_process(3, "gpt_other_options.py", *ARGV, *split(3), cwd=tmp_path, timeout=60)
+    assert result.codes == [1, 1, 1], result.stderr
+    host = f"{socket.gethostname()} (node 0)"
+    assert result.stderrs[2].strip() == "error: every rank must be given the same options: --max_steps 5 where " \
+        f"rank 0 has 24; --lr 1e-06 where rank 0 has 0.003 (found by rank 2 on {host})", result.stderrs[2]
+    assert result.stderrs[0].strip() == f"stopped: rank 2 on {host} found an error" and not result.stderrs[1]
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("kind", ["OSError", "ValueError"])
 def test_a_rank_that_fails_mid_run_is_named_by_the_others(kind, tmp_path):
     """Rank 1 fails on its own in its third step: its traceback (an OSError), or nothing (a ValueError, the kind
@@ -362,6 +375,20 @@ def test_a_rank_that_fails_mid_run_is_named_by_the_others(kind, tmp_path):
     assert result.stderrs[0].strip().splitlines()[-1] == f"stopped: rank 1 on {host} failed: {cause}", \
         result.stderrs[0]
     assert "Traceback" not in result.stderrs[0]
+
+
+def test_a_rank_that_hangs_gets_no_healthy_rank_blamed(tmp_path):
+    """Rank 1 stops answering for 6 s in its third step (--timeout 3): rank 0's collective times out with no
+    failure noted, and it says so in one line, naming no rank (it found nothing itself), not as its own error
+    with a traceback; rank 1, back, finds rank 0 gone and says the same."""
+    result = torchrun_in_process(2, "gpt_fails_mid_run.py", *ARGV, *split(2), "--timeout", "3", cwd=tmp_path,
+                                 env={"FAIL_WITH": "hang"}, timeout=60)
+    assert result.codes == [1, 1], result.stderr
+    for stderr in result.stderrs:
+        last = stderr.strip().splitlines()[-1]
+        assert last.startswith("stopped: a collective failed, and no rank noted a failure (a peer killed, stopped "
+                               "or hung, or its host lost): "), stderr
+        assert "Traceback" not in stderr and "(rank 0 on" not in stderr, stderr
 
 
 def test_a_file_system_without_locks_is_said_in_one_line_and_the_job_goes_on(tmp_path):

@@ -63,10 +63,11 @@ def write(folder: Path, form: str, train_ids: np.ndarray, val_ids: np.ndarray) -
         shard = llmc if form == "llm.c uint16" else uint32
         shard(folder / "tiny_train.bin", train_ids)
         shard(folder / "tiny_val.bin", val_ids)
-    else:  # shards, written last first: read in name order all the same
+    else:  # shards, written last first: read in name order all the same (numbered 1, 2, 10: as numbers)
         cuts = [len(train_ids) // 3, len(train_ids) * 2 // 3]
         for i, part in reversed(list(enumerate(np.split(train_ids, cuts)))):
-            llmc(folder / f"fineweb_train_{i + 1:06d}.bin", part)
+            number = f"{i + 1:06d}" if form == "shards" else [1, 2, 10][i]
+            llmc(folder / f"fineweb_train_{number}.bin", part)
         for i, part in enumerate(np.split(val_ids, [100])):  # validation window 3 spans the two
             llmc(folder / f"fineweb_val_{i:06d}.bin", part)
     return []
@@ -84,7 +85,7 @@ def nanogpt(stream, tmp_path_factory) -> list[dict]:
     return train(1, "--data", str(folder), *ARGV)[0]
 
 
-@pytest.mark.parametrize("form", ["llm.c uint16", "llm.c uint32", "shards", "raw uint32"])
+@pytest.mark.parametrize("form", ["llm.c uint16", "llm.c uint32", "shards", "shards numbered 1, 2, 10", "raw uint32"])
 def test_each_format_trains_exactly_as_the_same_tokens_in_nanogpts(form, stream, nanogpt, tmp_path):
     """The same ids as nanoGPT's train.bin and val.bin, so the same run, bit for bit."""
     folder = tmp_path / "data"
@@ -95,9 +96,10 @@ def test_each_format_trains_exactly_as_the_same_tokens_in_nanogpts(form, stream,
         for begin in (0, 80, len(ids) // 3 - 20, len(ids) * 2 // 3 - 1, len(ids) - 40):  # across the shards' cuts
             np.testing.assert_array_equal(split[begin:begin + 40], ids[begin:begin + 40])
     records, _, stdout = train(1, "--data", str(folder), *flag, *ARGV)
-    files = "train 3 files" if form == "shards" else "train 1 file"
-    files += f" {len(stream[0]):,} tokens, val {2 if form == 'shards' else 1} file"
-    assert f"data {folder} ({form if form != 'shards' else 'llm.c uint16'}: {files}" in stdout  # the start line
+    shards = form.startswith("shards")
+    files = "train 3 files" if shards else "train 1 file"
+    files += f" {len(stream[0]):,} tokens, val {2 if shards else 1} file"
+    assert f"data {folder} ({'llm.c uint16' if shards else form}: {files}" in stdout  # the start line
     assert f" {len(stream[1]):,} tokens; vocab 512)" in stdout
     assert len(records) == 7 and losses(records) == losses(nanogpt)
 
@@ -220,7 +222,10 @@ def test_a_job_refused_for_a_held_lock_reads_no_data(tmp_path):
     finally:
         os.close(lock)
     assert result.codes == [1, 1], result.stderr
-    assert result.stderr.strip() == "error: out is in use by another job (it holds out/lock)"
+    host = f"{socket.gethostname()} (node 0)"  # rank 0's finding, named as such; rank 1 says it stopped for it
+    assert result.stderrs[0].strip() == f"error: out is in use by another job (it holds out/lock) (found by rank 0 " \
+                                        f"on {host})" and result.stderrs[1].strip() == f"stopped: rank 0 on {host} " \
+                                                                                       "found an error", result.stderr
     assert os.listdir(tmp_path / "out") == ["lock"]
 
 
