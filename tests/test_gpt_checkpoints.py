@@ -234,9 +234,10 @@ def test_sigterm_saves_the_step_in_flight_and_the_same_command_finishes_the_run(
     last_logged = max(int(s) for s in re.findall(r"^step (\d+) \| loss", group.stdout(0), re.MULTILINE))
     assert 6 <= step == last_logged < 24 and stopped[2].endswith(f"step_{step:08d}")  # the step in flight, saved
     assert not (tmp_path / "model.pt").exists()  # --export is for the model at --max_steps
-    rerun = run(command, timeout=120)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert f"step {step} of 24" in rerun.stdout
+    # The same command again (its ranks' main() in the harness: torchrun's part, the signal, is done)
+    rerun = torchrun_in_process(nproc, TRAIN, *command[command.index(TRAIN) + 1:], cwd=tmp_path, timeout=120)
+    assert rerun.codes == [0] * nproc, rerun.stderr[-3000:]
+    assert f"step {step} of 24" in rerun.stdouts[0]
     assert_bitwise(tmp_path / "model.pt", uninterrupted[nproc] / "model.pt")
 
 
