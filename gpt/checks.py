@@ -190,20 +190,21 @@ def out_dir(args: argparse.Namespace, rank: int) -> None:
                 open(os.path.join(args.out_dir, "metrics.jsonl"), "a").close()
             problem[1] = os.path.join(args.out_dir, f".probe-{os.urandom(6).hex()}")  # this job's alone
             open(problem[1], "w").close()  # the folder takes new files
-            if args.export:  # a file of its own beside it (never export()'s .tmp, which another job may be writing)
+        except OSError as error:
+            problem[0] = f"{error.filename}: {error.strerror}"
+        if args.export and not problem[0]:  # a file of its own beside it (never export()'s .tmp: another job's)
+            try:
                 if os.path.isdir(args.export):
-                    raise IsADirectoryError(21, "is a folder", args.export)
+                    raise IsADirectoryError(21, "is a folder")
                 probe = os.path.join(os.path.dirname(args.export) or ".", f".probe-{os.urandom(6).hex()}")
                 open(probe, "wb").close()
                 os.remove(probe)
-        except OSError as error:  # the probe beside --export named by --export's path: the file it would write
-            name = args.export if args.export and ".probe-" in os.path.basename(str(error.filename)) and \
-                os.path.dirname(str(error.filename)) != args.out_dir else error.filename
-            problem[0] = f"{name}: {error.strerror}"
-            if problem[1]:
-                with contextlib.suppress(OSError):
-                    os.remove(problem[1])
-    dist.broadcast_object_list(problem, src=0)  # every rank stops, or none does
+            except OSError as error:  # said of --export's path: the file it would write
+                problem[0] = f"{args.export}: {error.strerror}"
+        if problem[0] and problem[1]:
+            with contextlib.suppress(OSError):
+                os.remove(problem[1])
+    dist.broadcast_object_list(problem, src=0)  # rank 0's probe, which every rank looks for below
     agree(problem[0] if rank == 0 else None)  # rank 0's finding: named as such on every host
     seen = os.path.exists(problem[1])
     try:

@@ -26,21 +26,26 @@ from model import GPT, GPTConfig
 GPT2_VOCAB = 50257  # GPT-2's tokenizer: ids 0 to 50256, 50256 its end of text
 
 
+def pairs(n_layer: int):
+    """(gpt/'s name, GPT2LMHeadModel's name without `transformer.`, whether GPT-2's Conv1D keeps it transposed) of
+    every weight but q, k and v, which GPT-2 keeps as one c_attn (q's rows first)."""
+    for name in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"):
+        yield name, name, False
+    for i in range(n_layer):
+        for mine, hers in (("ln_1", "ln_1"), ("ln_2", "ln_2"), ("attn.o", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"),
+                           ("mlp.proj", "mlp.c_proj")):
+            yield f"blocks.{i}.{mine}.weight", f"h.{i}.{hers}.weight", not mine.startswith("ln")
+            yield f"blocks.{i}.{mine}.bias", f"h.{i}.{hers}.bias", False
+
+
 def to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """gpt/model.py's state_dict in GPT2LMHeadModel's names and shapes (the tied head left out: it is wte)."""
-    hf = {"transformer.wte.weight": state["wte.weight"], "transformer.wpe.weight": state["wpe.weight"],
-          "transformer.ln_f.weight": state["ln_f.weight"], "transformer.ln_f.bias": state["ln_f.bias"]}
+    hf = {f"transformer.{theirs}": state[ours].t() if transposed else state[ours]
+          for ours, theirs, transposed in pairs(config.n_layer)}
     for i in range(config.n_layer):
-        ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
-        qkv = [f"{ours}attn.{p}" for p in "qkv"]
-        hf[f"{theirs}attn.c_attn.weight"] = torch.cat([state[f"{n}.weight"] for n in qkv]).t()
-        hf[f"{theirs}attn.c_attn.bias"] = torch.cat([state[f"{n}.bias"] for n in qkv])
-        for mine, hers in (("attn.o", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
-            hf[f"{theirs}{hers}.weight"] = state[f"{ours}{mine}.weight"].t()
-            hf[f"{theirs}{hers}.bias"] = state[f"{ours}{mine}.bias"]
-        for norm in ("ln_1", "ln_2"):
-            hf[f"{theirs}{norm}.weight"], hf[f"{theirs}{norm}.bias"] = state[f"{ours}{norm}.weight"], \
-                state[f"{ours}{norm}.bias"]
+        qkv = [f"blocks.{i}.attn.{p}" for p in "qkv"]
+        hf[f"transformer.h.{i}.attn.c_attn.weight"] = torch.cat([state[f"{n}.weight"] for n in qkv]).t()
+        hf[f"transformer.h.{i}.attn.c_attn.bias"] = torch.cat([state[f"{n}.bias"] for n in qkv])
     return {name: tensor.contiguous() for name, tensor in hf.items()}
 
 
@@ -63,8 +68,8 @@ def check(folder: str, config: GPTConfig) -> list[str]:
         raise ValueError(f"--init_from {folder}: GPT-2 with another activation or an untied head, which gpt/ lacks")
     if theirs.get("n_positions", 0) < config.seq_len or theirs.get("vocab_size", 0) > config.vocab_size:
         raise ValueError(f"--init_from {folder}: {theirs.get('n_positions')} positions and vocab "
-                         f"{theirs.get('vocab_size')}; the run needs --seq_len {config.seq_len} or fewer positions "
-                         f"and a vocab of {config.vocab_size} or less")
+                         f"{theirs.get('vocab_size')}, where the run needs {config.seq_len} positions or more "
+                         f"(--seq_len) and a vocab of {config.vocab_size} or less")
     index = os.path.join(folder, "model.safetensors.index.json")
     files = [os.path.join(folder, "model.safetensors")]
     if os.path.isfile(index):
@@ -85,8 +90,9 @@ def check(folder: str, config: GPTConfig) -> list[str]:
 def from_hf(folder: str, config: GPTConfig) -> dict[str, torch.Tensor]:
     """A Hugging Face GPT-2 folder's weights (config.json; model.safetensors, its index of shards, or
     pytorch_model.bin) as gpt/model.py's state_dict for `config`, the run's model (see check): the first seq_len
-    positions; a vocabulary padded with rows that are the mean of the others (as transformers'
-    resize_token_embeddings starts new rows, so that no padding id takes the softmax's mass)."""
+    positions; a vocabulary padded with rows that are the mean of the others (transformers'
+    resize_token_embeddings draws new rows around that mean): each padding id's logit is the mean of the others',
+    so they take little of the softmax's mass."""
     weights = {}
     for path in check(folder, config):
         if path.endswith(".bin"):
@@ -97,22 +103,15 @@ def from_hf(folder: str, config: GPTConfig) -> dict[str, torch.Tensor]:
             weights.update(load_file(path))
     weights = {name.removeprefix("transformer."): tensor for name, tensor in weights.items()}
     try:
-        state = {"wte.weight": weights["wte.weight"], "wpe.weight": weights["wpe.weight"][:config.seq_len],
-                 "ln_f.weight": weights["ln_f.weight"], "ln_f.bias": weights["ln_f.bias"]}
+        state = {ours: weights[theirs].t() if transposed else weights[theirs]
+                 for ours, theirs, transposed in pairs(config.n_layer)}
         for i in range(config.n_layer):
-            ours, hers = f"blocks.{i}.", f"h.{i}."
-            qkv = weights[f"{hers}attn.c_attn.weight"].t().chunk(3)
-            qkv_bias = weights[f"{hers}attn.c_attn.bias"].chunk(3)
-            for j, proj in enumerate("qkv"):
-                state[f"{ours}attn.{proj}.weight"], state[f"{ours}attn.{proj}.bias"] = qkv[j], qkv_bias[j]
-            for mine, her in (("attn.o", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
-                state[f"{ours}{mine}.weight"] = weights[f"{hers}{her}.weight"].t()
-                state[f"{ours}{mine}.bias"] = weights[f"{hers}{her}.bias"]
-            for norm in ("ln_1", "ln_2"):
-                state[f"{ours}{norm}.weight"] = weights[f"{hers}{norm}.weight"]
-                state[f"{ours}{norm}.bias"] = weights[f"{hers}{norm}.bias"]
+            for proj, weight, bias in zip("qkv", weights[f"h.{i}.attn.c_attn.weight"].t().chunk(3),
+                                          weights[f"h.{i}.attn.c_attn.bias"].chunk(3), strict=True):
+                state[f"blocks.{i}.attn.{proj}.weight"], state[f"blocks.{i}.attn.{proj}.bias"] = weight, bias
     except KeyError as error:
         raise ValueError(f"--init_from {folder}: its weights lack {error.args[0]}") from None
+    state["wpe.weight"] = state["wpe.weight"][:config.seq_len]  # the positions the run uses
     wte = state["wte.weight"]
     if len(wte) < config.vocab_size:
         padding = wte.float().mean(0, keepdim=True).to(wte.dtype).expand(config.vocab_size - len(wte), -1)

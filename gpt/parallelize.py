@@ -118,8 +118,9 @@ def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespac
         # From meta, to_empty gives each module a new Parameter (torch/nn/modules/module.py, Module._apply): the
         # tied head would be a matrix of its own. FSDP's DTensors are swapped in place, and stay tied.
         model.lm_head.weight = model.wte.weight
-        model.init_weights(args.seed)
-        if start is not None:  # the same parameters, in the same order, as `order` names them
+        if start is None:
+            model.init_weights(args.seed)
+        else:  # the same parameters, in the same order, as `order` names them
             with torch.no_grad():
                 for (name, _), param in zip(order, model.parameters(), strict=True):
                     param.copy_(start[name])

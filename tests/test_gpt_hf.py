@@ -186,8 +186,8 @@ def test_a_padded_run_starts_with_padding_rows_that_take_no_mass(theirs):
 @pytest.mark.parametrize(("change", "error"), [
     ({"model_type": "llama"}, "a 'llama' model (config.json), not GPT-2's"),
     ({"n_layer": 3}, "its n_layer is 3, --model's 2"),
-    ({"vocab_size": 300}, "64 positions and vocab 300; the run needs --seq_len 32 or fewer positions and a vocab of "
-                          "256 or less"),
+    ({"vocab_size": 300}, "64 positions and vocab 300, where the run needs 32 positions or more (--seq_len) and a "
+                          "vocab of 256 or less"),
     ({"activation_function": "relu"}, "GPT-2 with another activation or an untied head, which gpt/ lacks"),
     (None, "No such file or directory: not a Hugging Face model folder"),
     ("no weights", "neither model.safetensors nor pytorch_model.bin"),
