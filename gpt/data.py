@@ -19,7 +19,9 @@ Three sources, each a pair of 1-D arrays of token ids (train, val):
   with one (a damaged magic, or a stray file), shards of two widths, an unknown version, a width that
   contradicts --data_dtype, a token count that disagrees with the file's size (a truncated file), a
   size that is not a whole number of ids. GPT-2's vocab (50304) unless --vocab_size, whatever the
-  width: uint32 data of a larger vocab is refused by the id check until --vocab_size says it.
+  width: uint32 data of a larger vocab is refused by the id check until --vocab_size says it. Shards that
+  gpt/prepare.py wrote carry the record of their tokenizer (prepare.json): its vocab, rounded up to a
+  multiple of 64, is the default, and the record goes into --export's file and each checkpoint.
 
 Every id must fit the vocab, which takes a read of the whole data: each file's largest id is kept
 in OUT_DIR/data_check.json under its real path, inode, size, mtime, ctime and format, so a restart
@@ -53,6 +55,7 @@ HEADERS = {20240520: (1, np.uint16), 20240801: (7, np.uint32)}  # magic: (versio
 # fineweb_train_000001.bin, tiny_shakespeare_val.bin. Any other .bin file in the folder is refused by name.
 SHARD = re.compile(r"^(?:(.+)_)?(train|val)(?:_(\d+))?\.bin$")  # (NAME, split, N); one NAME a folder
 SHARD_NAMES = "train.bin and val.bin, or NAME_train_N.bin and NAME_val_N.bin as llm.c writes"
+PREPARED = ("prepare.json", "tokenizer.json")  # gpt/prepare.py's record, and its copy of a Hugging Face tokenizer
 CHECKED = "data_check.json"  # in OUT_DIR: each file's largest id, so that a restart reads no data
 
 
@@ -97,6 +100,7 @@ class Tokens:
     name: str
     files: list[TokenFile]  # what the id check reads: none for synthetic, whose ids fit by construction
     counts: tuple[int, int] = (0, 0)  # how many files each split reads (train, val)
+    tokenizer: dict | None = None  # gpt/prepare.py's record of what made the ids, where it made them
 
     def summary(self) -> str:
         """What the start line says of the data: its format, files and tokens per split."""
@@ -104,7 +108,8 @@ class Tokens:
             return f"{self.name} (vocab {self.vocab_size})"
         splits = ", ".join(f"{split} {n} file{'s' if n > 1 else ''} {len(a):,} tokens"
                            for split, n, a in zip(("train", "val"), self.counts, (self.train, self.val), strict=True))
-        return f"{self.name} ({self.files[0].format}: {splits}; vocab {self.vocab_size})"
+        made = f", tokenizer {os.path.basename(self.tokenizer['name'])}" if self.tokenizer else ""
+        return f"{self.name} ({self.files[0].format}: {splits}; vocab {self.vocab_size}{made})"
 
 
 def markov_chain(vocab_size: int, concentration: float, seed: int) -> tuple[np.ndarray, float]:
@@ -160,6 +165,7 @@ def shard_order(name: str) -> tuple:
 
 
 def _folder(folder: str, vocab_size: int | None, dtype: str | None) -> Tokens:
+    tokenizer = tokenizer_of(folder)  # prepare.py's shards: its vocab, rounded up to a multiple of 64 as GPT2_VOCAB
     found, names = {"train": [], "val": []}, set()
     for name in sorted(os.listdir(folder), key=shard_order):  # each split's files are one stream in this order
         if not name.lower().endswith(".bin"):
@@ -195,7 +201,26 @@ def _folder(folder: str, vocab_size: int | None, dtype: str | None) -> Tokens:
                              "a folder's .bin files hold ids of one width")
     train, val = (split[0].tokens if len(split) == 1 else Shards([f.tokens for f in split]) for split in files.values())
     counts = (len(files["train"]), len(files["val"]))
-    return Tokens(train, val, vocab_size or GPT2_VOCAB, None, folder, every, counts)
+    default = -(-tokenizer["vocab_size"] // 64) * 64 if tokenizer else GPT2_VOCAB
+    return Tokens(train, val, vocab_size or default, None, folder, every, counts, tokenizer)
+
+
+def tokenizer_of(folder: str) -> dict | None:
+    """gpt/prepare.py's record of the tokenizer that made a folder's shards (with its tokenizer.json's text), or
+    None where prepare.py did not make them. ValueError where it has not finished them."""
+    try:
+        with open(os.path.join(folder, PREPARED[0])) as file:
+            record = json.load(file)
+        if not record["done"]:  # an interrupted prepare.py: its shards so far are part of the data
+            raise ValueError(f"--data {folder}: gpt/prepare.py has not finished it ({len(record['shards'])} shards "
+                             "so far): run the same prepare.py command again, which finishes it")
+        tokenizer = record["tokenizer"]
+        if tokenizer["kind"] == "tokenizers":
+            with open(os.path.join(folder, PREPARED[1]), encoding="utf-8") as file:
+                tokenizer["json"] = file.read()
+        return tokenizer
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        return None
 
 
 def _enough_descriptors(folder: str, count: int) -> None:

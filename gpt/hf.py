@@ -139,14 +139,15 @@ def hf_config(config: GPTConfig) -> dict:
             "eos_token_id": GPT2_VOCAB - 1 if text else None, "dtype": "float32"}
 
 
-def read(source: str) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
-    """(config, whole state_dict) of a train.py --export file, or of a checkpoint folder (manifest.json and
-    DCP's files, of any layout: DCP reads them in this one process into whole tensors)."""
+def read(source: str) -> tuple[GPTConfig, dict[str, torch.Tensor], dict | None]:
+    """(config, whole state_dict, gpt/prepare.py's tokenizer record or None) of a train.py --export file, or of a
+    checkpoint folder (manifest.json and DCP's files, of any layout: DCP reads them in this one process)."""
     if os.path.isfile(source):
         model = GPT.load(source)
-        return model.config, model.state_dict()
+        return model.config, model.state_dict(), model.tokenizer
     with open(os.path.join(source, "manifest.json")) as file:
-        config = GPTConfig(**json.load(file)["config"])
+        manifest = json.load(file)
+    config, tokenizer = GPTConfig(**manifest["config"]), manifest.get("tokenizer")
     import torch.distributed.checkpoint as dcp
 
     model = GPT(config)
@@ -156,7 +157,7 @@ def read(source: str) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.load({"model": state}, checkpoint_id=source)  # no process group: read here, whole
     model.load_state_dict(state, strict=False)  # the tied head is wte.weight, whichever name was saved
-    return config, model.state_dict()
+    return config, model.state_dict(), tokenizer
 
 
 def checkpoint(source: str) -> str:
@@ -176,7 +177,7 @@ def export(source: str, dest: str, vocab_size: int | None) -> str:
     from safetensors.torch import save_file
 
     source = checkpoint(source)
-    config, state = read(source)
+    config, state, tokenizer = read(source)
     said = f"vocab {config.vocab_size}"
     if vocab_size is not None:
         if not 0 < vocab_size <= config.vocab_size:
@@ -190,7 +191,26 @@ def export(source: str, dest: str, vocab_size: int | None) -> str:
     save_file(to_hf(state, config), os.path.join(dest, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(dest, "config.json"), "w") as file:
         json.dump(hf_config(config), file, indent=2)
+    said += tokenizer_files(tokenizer, dest)
     return f"wrote {dest} from {source}: GPT2LMHeadModel, {config.n_layer} layers, {said}"
+
+
+def tokenizer_files(tokenizer: dict | None, dest: str) -> str:
+    """Where gpt/prepare.py recorded a Hugging Face tokenizer: its tokenizer.json and a tokenizer_config.json
+    naming its end-of-text token, which AutoTokenizer.from_pretrained(DEST) reads. What is written, said."""
+    if tokenizer is None:
+        return ""
+    if tokenizer["kind"] != "tokenizers":
+        return f"; tiktoken's {tokenizer['name']} tokenizer not written (for gpt2: openai-community/gpt2's is the same)"
+    import tokenizers
+
+    eot = tokenizers.Tokenizer.from_str(tokenizer["json"]).id_to_token(tokenizer["eot"])
+    with open(os.path.join(dest, "tokenizer.json"), "w", encoding="utf-8") as file:
+        file.write(tokenizer["json"])
+    with open(os.path.join(dest, "tokenizer_config.json"), "w") as file:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eot, "bos_token": eot,
+                   "model_max_length": 1 << 30}, file, indent=2)
+    return f"; tokenizer.json ({os.path.basename(tokenizer['name'])}, end of text {eot!r})"
 
 
 def main() -> None:

@@ -140,14 +140,16 @@ class GPT(nn.Module):
 
     @classmethod
     def load(cls, path: str) -> "GPT":
-        """A model exported by train.py --export: {"config": dict, "model": state_dict}."""
+        """A model exported by train.py --export: {"config": dict, "model": state_dict, "tokenizer": the record of
+        gpt/prepare.py's tokenizer, or None}, the record kept as model.tokenizer."""
         saved = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain types only
         model = cls(GPTConfig(**saved["config"]))
         model.load_state_dict(saved["model"])
+        model.tokenizer = saved.get("tokenizer")
         return model
 
 
-def export(path: str, config: GPTConfig, state_dict: dict) -> None:
+def export(path: str, config: GPTConfig, state_dict: dict, tokenizer: dict | None = None) -> None:
     """Write what GPT.load reads to a temporary file, then rename it: PATH is whole or absent."""
-    torch.save({"config": asdict(config), "model": state_dict}, path + ".tmp")
+    torch.save({"config": asdict(config), "model": state_dict, "tokenizer": tokenizer}, path + ".tmp")
     os.replace(path + ".tmp", path)

@@ -20,8 +20,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import DTensor
 
 from model import GPT, GPTConfig
@@ -32,8 +30,16 @@ V_SHAPED = ("ZBVZeroBubble", "DualPipeV")  # rank r holds stages r and 2p - 1 - 
 SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")  # input's gradient first, weights' later
 
 
+def schedule_class(schedule: str) -> type:
+    """torch's class of that name. torch.distributed.pipelining is imported here, not at the top: it imports
+    torch._dynamo, about 1.2 s of every process's start on a CPU, which only --pp's runs need."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+    return get_schedule_class(schedule)
+
+
 def stages_per_rank(schedule: str) -> int:
-    return 1 if issubclass(get_schedule_class(schedule), PipelineScheduleSingle) else 2
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+    return 1 if issubclass(schedule_class(schedule), PipelineScheduleSingle) else 2
 
 
 def stage_ids(pp_rank: int, pp: int, schedule: str) -> list[int]:
@@ -156,6 +162,7 @@ class Pipeline:
         tp_size = mesh["tp"].size() if "tp" in mesh.mesh_dim_names else 1
         self.activation = ((args.batch_size, args.seq_len // tp_size, parts[0].config.n_embd), dtype, device)
         group = mesh["pp"].get_group()
+        from torch.distributed.pipelining import PipelineStage  # here: see schedule_class
         self.stages = [PipelineStage(part, i, count, device, group=group) for part, i in zip(parts, ids, strict=True)]
         # What each stage computes, and when: timed() wraps each stage's three kinds of work (torch's schedules
         # call them), so that report() can tell the time this rank waited and the micro-batches a stage held.
@@ -164,7 +171,7 @@ class Pipeline:
         self.timeline, self.started = [], 0.0
         for stage in self.stages:
             self.timed(stage)
-        schedule = get_schedule_class(args.pp_schedule)
+        schedule = schedule_class(args.pp_schedule)
         self.schedule = schedule(self.stages[0] if len(ids) == 1 else self.stages, n_microbatches=args.grad_accum,
                                  loss_fn=loss)  # scale_grads=True: the gradients of the micro-batches' mean
         self.first, self.last = 0 in ids, count - 1 in ids
@@ -210,7 +217,7 @@ class Pipeline:
             return torch.zeros((), device=x.device)
         return torch.stack([local(loss.detach()) for loss in losses]).sum() / self.micro_batches
 
-    def timed(self, stage: PipelineStage) -> None:
+    def timed(self, stage) -> None:
         """Stage's forward (F), backward (B; I: the input's gradient alone) and weights' backward (W), each
         timed into self.busy and self.timeline; self.held counts the micro-batches whose activations the stage
         keeps (from F to B, or to W where the backward is split), self.peak the most at once."""

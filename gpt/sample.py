@@ -5,7 +5,8 @@
     python gpt/sample.py model.pt --prompt_ids 1,2,3      # a model of token ids (--data synthetic or DIR)
 
 A model of vocab 256 learned a file's bytes: the prompt is encoded as UTF-8 and the output decoded
-so, a broken character as U+FFFD. Other models read token ids (--prompt_ids) and print ids, except
+so, a broken character as U+FFFD. A model trained on gpt/prepare.py's shards carries the record of their
+tokenizer: text both ways with it. Other models read token ids (--prompt_ids) and print ids, except
 GPT-2's vocab (50257, or 50304 padded) where tiktoken is installed: text both ways. The same --seed
 draws the same text on the same device (CUDA when there is one, else the CPU).
 """
@@ -16,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+import prepare
 from model import GPT
 
 
@@ -33,8 +35,13 @@ def generate(model: GPT, ids: torch.Tensor, length: int, temperature: float, top
     return ids
 
 
-def text_codec(vocab_size: int) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]] | None:
-    """(encode, decode) between text and the model's token ids, or None where its ids are not text here."""
+def text_codec(vocab_size: int, tokenizer: dict | None = None
+               ) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]] | None:
+    """(encode, decode) between text and the model's token ids, or None where its ids are not text here.
+    `tokenizer`: gpt/prepare.py's record, which the model's --export file carries (ValueError in one line
+    where what it needs is not installed)."""
+    if tokenizer is not None:
+        return prepare.codec(tokenizer)[:2]
     if vocab_size == 256:  # a file's bytes
         return lambda text: list(text.encode()), lambda ids: bytes(ids).decode("utf-8", errors="replace")
     if vocab_size not in (50257, 50304):
@@ -90,7 +97,10 @@ def main() -> None:
     except Exception as error:  # torch.load and load_state_dict: KeyError, EOFError, UnpicklingError, ...
         sys.exit(f"error: {args.model}: not a model written by gpt/train.py --export ({type(error).__name__})")
     vocab_size = model.config.vocab_size
-    encode, decode = text_codec(vocab_size) or (None, None)
+    try:
+        encode, decode = text_codec(vocab_size, model.tokenizer) or (None, None)
+    except ValueError as error:
+        sys.exit(f"error: {args.model}: {error}")
     if args.prompt_ids is None and encode is None:
         sys.exit(f"error: the ids of this model (vocab {vocab_size}) are not text here: give --prompt_ids")
     ids = args.prompt_ids if args.prompt_ids is not None else encode(args.prompt)

@@ -396,7 +396,7 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
     def save(step: int) -> None:
         extra = {"config": asdict(config), "run": {**{f"--{n}": getattr(args, n) for n in RUN}, "ranks": world_size,
                                                    "global batch": global_batch},
-                 "scaler": scaler.state_dict() if scaler.is_enabled() else None}
+                 "scaler": scaler.state_dict() if scaler.is_enabled() else None, "tokenizer": tokens.tokenizer}
         checkpoints.save(parallelize.state_dict(parts, optimizers), step, extra)
 
     def not_finite(what: str, step: int) -> None:
@@ -517,13 +517,13 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
     return model
 
 
-def export_model(model: torch.nn.Module | pipeline.Pipeline, path: str, rank: int) -> None:
+def export_model(model: torch.nn.Module | pipeline.Pipeline, path: str, rank: int, tokenizer: dict | None) -> None:
     """The whole model as a plain state_dict on rank 0. Under FSDP every rank must take part: the
     full tensors are gathered from every shard (and under --pp, from every stage)."""
     if isinstance(model, pipeline.Pipeline):
         state = model.full_state_dict()
         if rank == 0:
-            export(path, model.parts[0].config, state)
+            export(path, model.parts[0].config, state, tokenizer)
         return
     gpt = model.module if isinstance(model, DDP) else model
     if isinstance(model, DDP):
@@ -535,7 +535,7 @@ def export_model(model: torch.nn.Module | pipeline.Pipeline, path: str, rank: in
         first = {}
         for name, param in gpt.named_parameters(remove_duplicate=False):  # tied weights: one tensor, saved once
             state[name] = state[first.setdefault(id(param), name)]
-        export(path, gpt.config, state)
+        export(path, gpt.config, state, tokenizer)
 
 
 def train_and_export(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> int:
@@ -545,8 +545,8 @@ def train_and_export(args: argparse.Namespace, rank: int, world_size: int, devic
     model = train(args, rank, world_size, device)
     if isinstance(model, int):
         return 128 + model
-    if args.export:
-        export_model(model, args.export, rank)
+    if args.export:  # with the record of the tokenizer that made --data's shards, where prepare.py made them
+        export_model(model, args.export, rank, data.tokenizer_of(args.data) if os.path.isdir(args.data) else None)
         if rank == 0:
             print(f"exported to {args.export}", flush=True)
     return 0

@@ -1,0 +1,363 @@
+"""Text to the shards gpt/train.py reads, in one command.
+
+    python gpt/prepare.py INPUT... --tokenizer gpt2 --out_dir data/mine
+    python gpt/train.py --data data/mine ...
+
+INPUT: text files, folders (their .txt, .md and .jsonl files, in name order) and JSON lines (.jsonl: one document a
+line, its --text_field). A text file is one document. Each document is tokenized with an end-of-text token before
+it, and the stream cut into llm.c's shards, as its fineweb.py cuts them: NAME_val_000000.bin holds the first
+--val_tokens tokens, NAME_train_000001.bin and on the rest, --shard_tokens each (the last shorter); NAME is
+--out_dir's last part. Their header (gpt/data.py reads both): magic 20240520 version 1 and uint16 ids where every
+id of the tokenizer fits (a vocabulary of at most 65,536), else magic 20240801 version 7 and uint32.
+
+--tokenizer: a tiktoken encoding by name (gpt2, cl100k_base, o200k_base, or one a tiktoken_ext plugin adds), or
+a Hugging Face tokenizer.json (a file, or a hub name such as openai-community/gpt2, which needs the network).
+DIR/prepare.json records it (and DIR/tokenizer.json, a copy of the file): train.py takes its vocabulary from it
+and puts it into --export's file, where sample.py reads it to turn text into ids and back, and hf.py writes it
+beside the weights.
+
+--workers processes tokenize (default: every core) and one writes, in document order: the shards are the same
+bytes whatever the count. A shard is written whole (a .tmp file, renamed) and then recorded, with where the next
+one starts (a document, and a token in it): the same command again skips the whole shards and finishes the rest,
+or over a finished folder does nothing; another command on the folder is refused.
+"""
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+
+import numpy as np
+
+HEADER = {np.uint16: (20240520, 1), np.uint32: (20240801, 7)}  # llm.c's magic and version (gpt/data.py's)
+RECORD, TOKENIZER_FILE = "prepare.json", "tokenizer.json"  # read by gpt/data.py's tokenizer_of
+EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")  # GPT-2 and OpenAI's, Llama 3, Llama 2, Gemma
+INSTALL = "pip install -r requirements-hf.txt"
+TEXT = (".txt", ".md", ".jsonl")  # what a folder's files are read
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, folders, .jsonl files")
+    p.add_argument("--tokenizer", required=True, help="a tiktoken encoding's name, or a tokenizer.json (file or hub)")
+    p.add_argument("--out_dir", required=True, help="the folder of shards (train.py's --data)")
+    p.add_argument("--text_field", default="text", help="the field of a .jsonl line that holds its text")
+    p.add_argument("--eot", help=f"the end-of-text token (default: the first of {', '.join(EOT_NAMES)} it has)")
+    p.add_argument("--val_tokens", type=int, default=131072, help="tokens in the val shard (default: 131072)")
+    p.add_argument("--shard_tokens", type=int, default=10**8, help="tokens in a train shard (default: 1e8, llm.c's)")
+    p.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizing processes (default: every core)")
+    p.add_argument("--bench", action="store_true", help="print the tokens/s at 1 and --workers workers, and the "
+                   "tokenizer's own in one thread, writing nothing to --out_dir")
+    args = p.parse_args(argv)
+    for name in ("val_tokens", "shard_tokens", "workers"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1")
+    return args
+
+
+def load_tokenizer(spec: str, eot_name: str | None = None) -> dict:
+    """The record of a tokenizer: kind, name, vocab_size, eot (and json, the file's text, for Hugging Face's),
+    from which codec() builds it again in any process. ValueError in one line where it cannot be had."""
+    if os.path.isfile(spec) or spec.endswith(".json"):
+        try:
+            with open(spec, encoding="utf-8") as file:
+                record = {"kind": "tokenizers", "name": os.path.abspath(spec), "json": file.read()}
+        except OSError as error:
+            raise ValueError(f"--tokenizer {spec}: {error.strerror}") from None
+    else:
+        try:
+            import tiktoken
+        except ImportError:
+            raise ValueError(f"--tokenizer {spec}: a tiktoken encoding's name needs tiktoken: {INSTALL}") from None
+        try:
+            tiktoken.get_encoding(spec)
+            record = {"kind": "tiktoken", "name": spec}
+        except ValueError:  # not a name tiktoken knows: a name on the hub
+            record = {"kind": "tokenizers", "name": spec, "json": _from_hub(spec)}
+        except OSError:  # its table is downloaded on first use (requests' errors are OSErrors)
+            raise ValueError(f"--tokenizer {spec}: tiktoken downloads its table on first use, which failed here: "
+                             "run once where the network is reachable, or give a tokenizer.json") from None
+    _, _, special, size = codec(record)
+    eot = special.get(eot_name) if eot_name else next((special[n] for n in EOT_NAMES if n in special), None)
+    if eot is None:
+        named = f"named {eot_name!r}" if eot_name else "of " + ", ".join(EOT_NAMES)
+        raise ValueError(f"--tokenizer {spec}: no end-of-text token {named}: name its own with --eot")
+    return {**record, "vocab_size": size, "eot": eot}
+
+
+def _from_hub(name: str) -> str:
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ValueError(f"--tokenizer {name}: a hub name needs tokenizers: {INSTALL}") from None
+    try:
+        return Tokenizer.from_pretrained(name).to_str()
+    except Exception as error:  # offline, or no such repository: tokenizers raises its own Exception
+        raise ValueError(f"--tokenizer {name}: neither a file, nor a tiktoken encoding, nor a tokenizer on the "
+                         f"hub that could be had ({str(error).splitlines()[0][:120]}): offline, download its "
+                         "tokenizer.json and give the file") from None
+
+
+def codec(record: dict):
+    """(encode: text -> ids, decode: ids -> text, {token: id} of the special tokens, vocabulary size) of a
+    record. An id the tokenizer lacks (a padded vocabulary's rows) decodes as U+FFFD."""
+    if record["kind"] == "tiktoken":
+        import tiktoken
+        encoding = tiktoken.get_encoding(record["name"])
+        size = encoding.n_vocab
+
+        def decode(ids: list[int]) -> str:
+            return b"".join(encoding.decode_single_token_bytes(i) if i < size else "\ufffd".encode()
+                            for i in ids).decode("utf-8", errors="replace")
+        return encoding.encode_ordinary, decode, encoding._special_tokens, size
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ValueError(f"a Hugging Face tokenizer needs tokenizers: {INSTALL}") from None
+    try:
+        tokenizer = Tokenizer.from_str(record["json"])
+    except Exception as error:  # its parser's own Exception
+        raise ValueError(f"--tokenizer {record['name']}: not a tokenizer.json ({str(error)[:120]})") from None
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    size = max(vocab.values()) + 1
+
+    def decode(ids: list[int]) -> str:
+        pieces = [[]]  # cut at each id the tokenizer lacks
+        for i in ids:
+            if i < size:
+                pieces[-1].append(i)
+            else:
+                pieces.append([])
+        return "\ufffd".join(tokenizer.decode(piece, skip_special_tokens=False) for piece in pieces)
+    special = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
+    return lambda text: tokenizer.encode(text, add_special_tokens=False).ids, decode, special, size
+
+
+def documents(inputs: list[str], text_field: str, start: int = 0):
+    """(index, text) of each document, in order, from `start` on (the ones before it are not read)."""
+    index = 0
+    for path in files(inputs):
+        if not path.endswith(".jsonl"):
+            if index >= start:
+                yield index, _read(path)
+            index += 1
+            continue
+        with open(path, encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                if index >= start:
+                    try:
+                        text = json.loads(line)[text_field]
+                    except (ValueError, KeyError, TypeError):
+                        text = None
+                    if not isinstance(text, str):
+                        raise ValueError(f"{path}:{number}: not a JSON object with a string field "
+                                         f"{text_field!r} (--text_field)")
+                    yield index, text
+                index += 1
+
+
+def files(inputs: list[str]) -> list[str]:
+    found = []
+    for path in inputs:
+        if os.path.isdir(path):
+            found += sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names
+                            if name.endswith(TEXT))  # not its pictures
+        elif os.path.isfile(path):
+            found.append(path)
+        else:
+            raise ValueError(f"{path}: no such file or folder")
+    return found
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.read()
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text (byte {error.start}): give text files") from None
+
+
+_encode = _eot = None
+
+
+def _start_worker(record: dict) -> None:
+    global _encode, _eot
+    _encode, _eot = codec(record)[0], record["eot"]
+
+
+def tokenize(batch: list[tuple[int, str]]) -> list[tuple[int, np.ndarray]]:
+    """(index, its end of text and ids) of each document of a batch, in a worker."""
+    return [(index, np.array([_eot, *_encode(text)], dtype=np.uint32)) for index, text in batch]
+
+
+def batches(work, size: int = 1 << 20):
+    """Documents in lists of about `size` characters (a longer one alone): what a worker is sent at once."""
+    batch, held = [], 0
+    for index, text in work:
+        batch.append((index, text))
+        held += len(text)
+        if held >= size:
+            yield batch
+            batch, held = [], 0
+    if batch:
+        yield batch
+
+
+def tokenized(work, workers: int, tokenizer: dict):
+    """(index, ids) of each document, in order: tokenized here (one worker), or by `workers` processes with a
+    few batches each in flight, so that memory stays bounded. A worker that dies ends it with BrokenProcessPool."""
+    work = batches(work)
+    if workers == 1:
+        _start_worker(tokenizer)
+        for batch in work:
+            yield from tokenize(batch)
+        return
+    pool = ProcessPoolExecutor(workers, get_context("spawn"), initializer=_start_worker, initargs=(tokenizer,))
+    try:
+        pending = deque(pool.submit(tokenize, batch) for batch in itertools.islice(work, 3 * workers))
+        while pending:
+            done = pending.popleft().result()
+            pending.extend(pool.submit(tokenize, batch) for batch in itertools.islice(work, 1))
+            yield from done
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def write_shard(path: str, ids: np.ndarray, dtype) -> None:
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = (*HEADER[dtype], len(ids))
+    with open(path + ".tmp", "wb") as file:
+        file.write(header.tobytes())
+        file.write(ids.astype(dtype).tobytes())
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def prepare(args: argparse.Namespace) -> str:
+    """Writes (or finishes) the shards; returns the line that says what was done."""
+    started = time.perf_counter()
+    out, name = args.out_dir, os.path.basename(os.path.normpath(args.out_dir))
+    settings = {"inputs": [os.path.abspath(p) for p in files(args.inputs)], "tokenizer": args.tokenizer,
+                "eot": args.eot, "text_field": args.text_field, "val_tokens": args.val_tokens,
+                "shard_tokens": args.shard_tokens}
+    record_path = os.path.join(out, RECORD)
+    record = {"settings": settings, "shards": [], "done": False}
+    if os.path.exists(record_path):
+        with open(record_path) as file:
+            record = json.load(file)
+        if record["settings"] != settings:
+            other = next(k for k in settings if record["settings"].get(k) != settings[k])
+            raise ValueError(f"--out_dir {out}: prepared by another command ({other} differs): give another "
+                             "--out_dir, or remove this one")
+    elif os.path.isdir(out) and any(n.endswith(".bin") for n in os.listdir(out)):
+        raise ValueError(f"--out_dir {out}: holds .bin files that prepare.py did not write (no {RECORD})")
+    if record["done"]:
+        return f"{out}: prepared already ({len(record['shards'])} shards): nothing to do"
+    tokenizer = load_tokenizer(args.tokenizer, args.eot)
+    dtype = np.uint16 if tokenizer["vocab_size"] <= 1 << 16 else np.uint32
+    os.makedirs(out, exist_ok=True)
+    if tokenizer["kind"] == "tokenizers":
+        with open(os.path.join(out, TOKENIZER_FILE), "w", encoding="utf-8") as file:
+            file.write(tokenizer["json"])
+    record["tokenizer"] = {k: v for k, v in tokenizer.items() if k != "json"}
+    record["format"] = f"llm.c {np.dtype(dtype).name}"
+    # The shards already whole: their files as recorded; the rest is written again.
+    whole = [s for s in record["shards"] if os.path.isfile(os.path.join(out, s["name"]))
+             and os.path.getsize(os.path.join(out, s["name"])) == 1024 + s["tokens"] * np.dtype(dtype).itemsize]
+    record["shards"] = whole[:next((i for i, s in enumerate(whole) if s["name"] != _name(name, i)), len(whole))]
+    begin, skip = record["shards"][-1]["next"] if record["shards"] else (0, 0)
+    shard, buffer, held, total = len(record["shards"]), [], 0, 0
+
+    def flush(next_start: tuple[int, int]) -> None:
+        nonlocal shard, buffer, held
+        write_shard(os.path.join(out, _name(name, shard)), np.concatenate(buffer), dtype)
+        record["shards"].append({"name": _name(name, shard), "tokens": held, "next": next_start})
+        _save(record, record_path)
+        shard, buffer, held = shard + 1, [], 0
+
+    done, bar = begin, progress_bar()
+    for index, ids in tokenized(documents(args.inputs, args.text_field, begin), args.workers, tokenizer):
+        bar.update(len(ids))
+        at = skip if index == begin else 0
+        while at < len(ids):
+            room = (args.val_tokens if shard == 0 else args.shard_tokens) - held
+            piece = ids[at:at + room]
+            buffer.append(piece)
+            held, at, total = held + len(piece), at + len(piece), total + len(piece)
+            if held == (args.val_tokens if shard == 0 else args.shard_tokens):
+                flush((index, at) if at < len(ids) else (index + 1, 0))
+        done = index + 1
+    bar.close()
+    if held:
+        flush((done, 0))
+    if len(record["shards"]) < 2:  # the val shard alone: removed, with the record, as if never begun
+        for path in [os.path.join(out, s["name"]) for s in record["shards"]] + [record_path]:
+            os.remove(path)
+        raise ValueError(f"{' '.join(args.inputs)}: {sum(s['tokens'] for s in record['shards']):,} tokens in all, "
+                         f"none left to train on after --val_tokens {args.val_tokens:,}: give fewer")
+    record["done"] = True
+    _save(record, record_path)
+    seconds = time.perf_counter() - started
+    train = record["shards"][1:]
+    return (f"{out}: val 1 shard {record['shards'][0]['tokens']:,} tokens, train {len(train)} shards "
+            f"{sum(s['tokens'] for s in train):,} tokens ({record['format']}, tokenizer {args.tokenizer}, vocab "
+            f"{tokenizer['vocab_size']:,}); {total:,} tokens written in {seconds:.1f} s: {total / seconds:,.0f} "
+            f"tokens/s on {args.workers} worker{'s' if args.workers > 1 else ''}")
+
+
+def progress_bar():
+    """tqdm's bar of tokens, on a terminal (requirements-hf.txt); without tqdm, nothing."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return argparse.Namespace(update=lambda n: None, close=lambda: None)
+    return tqdm(unit="tok", unit_scale=True, disable=None, desc="tokenizing")
+
+
+def bench(args: argparse.Namespace) -> None:
+    """--bench: prepare.py's tokens/s at 1 worker and at --workers, beside the tokenizer's own rate in one thread
+    on the same documents (no shards written), each into a fresh temporary folder."""
+    import tempfile
+
+    tokenizer = load_tokenizer(args.tokenizer, args.eot)
+    encode, texts = codec(tokenizer)[0], [text for _, text in documents(args.inputs, args.text_field)]
+    started = time.perf_counter()
+    count = sum(len(encode(text)) + 1 for text in texts)
+    rates = {"the tokenizer alone, 1 thread": count / (time.perf_counter() - started)}
+    for workers in sorted({1, args.workers}):
+        with tempfile.TemporaryDirectory() as folder:
+            started = time.perf_counter()
+            prepare(argparse.Namespace(**{**vars(args), "workers": workers, "out_dir": os.path.join(folder, "b")}))
+            rates[f"prepare.py, {workers} worker{'s' if workers > 1 else ''}"] = count / (time.perf_counter() - started)
+    print(f"{count:,} tokens of {len(texts):,} documents, tokenizer {args.tokenizer}, {os.cpu_count()} cores")
+    for what, rate in rates.items():
+        print(f"  {what:<32} {rate:>12,.0f} tokens/s")
+
+
+def _name(name: str, shard: int) -> str:
+    return f"{name}_{'val' if shard == 0 else 'train'}_{shard:06d}.bin"
+
+
+def _save(record: dict, path: str) -> None:
+    with open(path + ".tmp", "w") as file:
+        json.dump(record, file, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def main() -> None:
+    args = parse_args()
+    try:
+        bench(args) if args.bench else print(prepare(args))
+    except ValueError as error:
+        sys.exit(f"error: {error}")
+
+
+if __name__ == "__main__":
+    main()

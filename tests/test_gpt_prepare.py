@@ -1,0 +1,199 @@
+"""gpt/prepare.py, text to llm.c's shards, with no network: a tokenizer trained here with `tokenizers` (saved as
+tokenizer.json), and two tiktoken encodings built from local ranks (tests/tiktoken_ext), one of them with ids
+above 65,535. The shards hold exactly each document's ids with its end-of-text token before them, in order across
+shards, the same bytes at 1 and 2 workers (tokenizers' and tiktoken's own calls are the reference, not
+prepare.py's); an interrupted run finishes with the uninterrupted run's bytes, tokenizing only what was not
+written; train.py trains on them with the tokenizer's vocabulary, and sample.py and hf.py turn its ids into text
+with the record the shards carry; bad input is one line."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import tiktoken
+from harness import torchrun_in_process
+from launch import REPO
+from test_errors import run_main
+from test_gpt_sample import import_gpt
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+sys.path.insert(0, str(REPO))
+from gpt.data import load  # noqa: E402
+
+prepare = import_gpt("prepare")
+
+
+@pytest.fixture(autouse=True)
+def gpt_on_the_path(monkeypatch):
+    """prepare.py's workers (spawned) import it by name, as `python gpt/prepare.py` has it on the path."""
+    monkeypatch.syspath_prepend(str(REPO / "gpt"))
+SIZES = ("--val_tokens", "3000", "--shard_tokens", "7000")  # a val shard and several train shards
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """(inputs, documents): the docs as a folder of text files (one document each) and the README as JSON
+    lines (one document a paragraph), with a line of non-ASCII text; and the documents in the order read."""
+    root = tmp_path_factory.mktemp("corpus")
+    (root / "pages").mkdir()
+    documents = []
+    for path in sorted((REPO / "docs").glob("*.md"))[:6]:
+        (root / "pages" / path.name).write_text(path.read_text())
+    documents += [p.read_text() for p in sorted((root / "pages").iterdir())]
+    paragraphs = [p for p in (REPO / "README.md").read_text().split("\n\n") if p.strip()] + ["naïve café, 東京 ✓"]
+    (root / "readme.jsonl").write_text("".join(json.dumps({"text": p, "id": i}) + "\n" for i, p in
+                                               enumerate(paragraphs)))
+    return [str(root / "pages"), str(root / "readme.jsonl")], documents + paragraphs
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(corpus, tmp_path_factory) -> str:
+    """A byte-level BPE of 400 ids trained on the corpus, <|endoftext|> among them, as a tokenizer.json."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(corpus[1], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    path = str(tmp_path_factory.mktemp("tokenizer") / "tokenizer.json")
+    tokenizer.save(path)
+    return path
+
+
+def expected_ids(tokenizer: str, documents: list[str]) -> tuple[np.ndarray, int]:
+    """(the stream, the end-of-text id) by the tokenizer library's own calls."""
+    if tokenizer.endswith(".json"):
+        own = Tokenizer.from_file(tokenizer)
+        eot, encode = own.token_to_id("<|endoftext|>"), lambda text: own.encode(text, add_special_tokens=False).ids
+    else:
+        own = tiktoken.get_encoding(tokenizer)
+        eot, encode = own.eot_token, own.encode_ordinary
+    return np.array([i for d in documents for i in (eot, *encode(d))]), eot
+
+
+def run(inputs: list[str], tokenizer: str, out_dir, *argv: str) -> tuple[int, str, str]:
+    return run_main(prepare, *inputs, "--tokenizer", tokenizer, "--out_dir", str(out_dir), *SIZES, *argv)
+
+
+def shards(folder) -> dict[str, bytes]:
+    return {name: (folder / name).read_bytes() for name in sorted(os.listdir(folder)) if name.endswith(".bin")}
+
+
+@pytest.mark.parametrize("tokenizer", ["tokenizer.json", "test_bytes", "test_wide"])
+def test_the_shards_hold_each_documents_ids_after_its_end_of_text_whatever_the_worker_count(
+        tokenizer, corpus, tokenizer_json, tmp_path):
+    tokenizer = tokenizer_json if tokenizer == "tokenizer.json" else tokenizer
+    written = {}
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}" / "docs"
+        code, stdout, stderr = run(corpus[0], tokenizer, out, "--workers", str(workers))
+        assert code == 0, stderr
+        written[workers] = shards(out)
+    assert written[1] == written[2]  # the same bytes
+    expected, eot = expected_ids(tokenizer, corpus[1])
+    wide = tokenizer == "test_wide"
+    names = list(written[1])
+    assert names == ["docs_train_000001.bin", *[f"docs_train_{i:06d}.bin" for i in range(2, len(names))],
+                     "docs_val_000000.bin"] and len(names) >= 4, names
+    header = np.frombuffer(written[1]["docs_val_000000.bin"][:12], "<i4").tolist()
+    assert header == [20240801, 7, 3000] if wide else [20240520, 1, 3000]
+    tokens = load(str(out))  # train.py's reader: the val shard, then the train shards in order
+    assert tokens.train.dtype == (np.uint32 if wide else np.uint16)
+    assert np.array_equal(np.concatenate([tokens.val[:], tokens.train[:]]), expected)
+    assert (expected == eot).sum() == len(corpus[1]) and (eot > 65535) == wide
+    assert tokens.vocab_size == {"test_bytes": 320, "test_wide": 70016}.get(tokenizer, 448)  # rounded up to 64
+    assert f"train {len(names) - 1} shards {len(expected) - 3000:,} tokens (llm.c uint{32 if wide else 16}" in stdout
+
+
+def test_an_interrupted_run_finishes_with_the_same_bytes_tokenizing_only_what_was_not_written(
+        corpus, tmp_path, monkeypatch):
+    """Stopped as its third shard is written (a .tmp left behind), the same command finishes the folder: the
+    uninterrupted run's bytes, and the documents before the recorded start of the third shard never tokenized
+    again. Then it does nothing; another command on the folder is refused."""
+    whole = tmp_path / "whole" / "docs"
+    assert run(corpus[0], "test_bytes", whole, "--workers", "1")[0] == 0
+    out = tmp_path / "cut" / "docs"
+    write = prepare.write_shard
+
+    def interrupted(path, ids, dtype):
+        if path.endswith("_000002.bin"):
+            open(path + ".tmp", "wb").close()
+            raise KeyboardInterrupt
+        write(path, ids, dtype)
+    monkeypatch.setattr(prepare, "write_shard", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run(corpus[0], "test_bytes", out, "--workers", "1")
+    record = json.loads((out / "prepare.json").read_text())
+    assert [s["name"] for s in record["shards"]] == ["docs_val_000000.bin", "docs_train_000001.bin"]
+    assert not record["done"] and "not finished" in run_main(import_gpt("train"), "--data", str(out))[2]
+    first, skip = record["shards"][-1]["next"]
+    assert first > 0
+    tokenized, tokenize = [], prepare.tokenize
+    monkeypatch.setattr(prepare, "write_shard", write)
+    monkeypatch.setattr(prepare, "tokenize", lambda batch: tokenized.extend(i for i, _ in batch) or tokenize(batch))
+    code, stdout, stderr = run(corpus[0], "test_bytes", out, "--workers", "1")
+    assert code == 0, stderr
+    assert tokenized == list(range(first, len(corpus[1])))
+    assert shards(out) == shards(whole) and not (out / "docs_train_000002.bin.tmp").exists()
+    again = run(corpus[0], "test_bytes", out)[1]
+    assert again == f"{out}: prepared already ({len(shards(whole))} shards): nothing to do\n"
+    code, _, stderr = run(corpus[0], "test_wide", out)
+    assert code == 1 and stderr == f"error: --out_dir {out}: prepared by another command (tokenizer differs): give " \
+        "another --out_dir, or remove this one\n"
+
+
+def test_train_py_trains_on_them_and_sample_and_hf_read_their_tokenizer(corpus, tokenizer_json, tmp_path):
+    """train.py's vocabulary is the tokenizer's (400, rounded up to 448), its start line names it; the --export
+    file carries the record: sample.py's text is the prompt and then the tokenizer's decoding of the drawn ids;
+    hf.py writes the tokenizer beside the weights, which transformers' AutoTokenizer reads into the same ids."""
+    out = tmp_path / "docs"
+    assert run(corpus[0], tokenizer_json, out, "--workers", "2")[0] == 0
+    result = torchrun_in_process(2, "gpt/train.py", "--data", str(out), "--max_steps", "20", "--eval_every", "20",
+                                 "--out_dir", "run", "--export", "model.pt", cwd=tmp_path, timeout=120)
+    assert result.codes == [0, 0], result.stderr
+    assert "vocab 448, tokenizer tokenizer.json) |" in result.stdouts[0]
+    losses = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert losses[-1]["val_loss"] < 0.9 * np.log(400), losses[-1]  # well below uniform over its ids
+    code, text, stderr = run_main(import_gpt("sample"), str(tmp_path / "model.pt"), "--prompt", "The naïve model",
+                                  "--length", "30", "--seed", "1")
+    own = Tokenizer.from_file(tokenizer_json)
+    assert code == 0 and text.startswith("The naïve model") and len(own.encode(text).ids) > 20, stderr
+    from transformers import AutoTokenizer
+    code, said, stderr = run_main(import_gpt("hf"), "export", str(tmp_path / "run"), str(tmp_path / "hf"))
+    assert code == 0 and "tokenizer.json (tokenizer.json, end of text '<|endoftext|>')" in said, stderr
+    theirs = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert theirs(corpus[1][-1])["input_ids"] == own.encode(corpus[1][-1]).ids and theirs.eos_token == "<|endoftext|>"
+
+
+@pytest.mark.parametrize(("case", "error"), [
+    ("offline tiktoken", "--tokenizer cl100k_base: tiktoken downloads its table on first use, which failed here: "
+                         "run once where the network is reachable, or give a tokenizer.json"),
+    ("offline hub", "--tokenizer someone/tokenizer: neither a file, nor a tiktoken encoding, nor a tokenizer on the "
+                    "hub that could be had ("),
+    ("no end of text", "no end-of-text token named '<|eot|>': name its own with --eot"),
+    ("not text", "not UTF-8 text (byte 0): give text files"),
+    ("bad line", "readme.jsonl:1: not a JSON object with a string field 'body' (--text_field)"),
+    ("foreign shards", "holds .bin files that prepare.py did not write (no prepare.json)"),
+    ("too little", "tokens in all, none left to train on after --val_tokens 10,000,000: give fewer"),
+])
+def test_bad_input_is_one_line(case, error, corpus, tmp_path):
+    inputs, tokenizer, argv, env = corpus[0], "test_bytes", [], {}
+    if case == "offline tiktoken":
+        tokenizer, env = "cl100k_base", {"TIKTOKEN_CACHE_DIR": str(tmp_path), "HTTPS_PROXY": "http://127.0.0.1:9"}
+    elif case == "offline hub":
+        tokenizer, env = "someone/tokenizer", {"HF_HUB_OFFLINE": "1"}
+    elif case == "no end of text":
+        argv = ["--eot", "<|eot|>"]
+    elif case == "not text":
+        (tmp_path / "model.bin.txt").write_bytes(b"\xff\xfe\x00")
+        inputs = [str(tmp_path / "model.bin.txt")]
+    elif case == "bad line":
+        inputs, argv = [corpus[0][1]], ["--text_field", "body"]
+    elif case == "foreign shards":
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "train.bin").write_bytes(b"\0\0")
+    code, _, stderr = run_main(prepare, *inputs, "--tokenizer", tokenizer, "--out_dir", str(tmp_path / "out"), *argv,
+                               *(["--val_tokens", "10000000"] if case == "too little" else []), env=env)
+    assert code == 1 and stderr.startswith("error: ") and error in stderr and stderr.count("\n") == 1, stderr
+    assert case == "foreign shards" or not any(n.endswith(".bin") for n in os.listdir(tmp_path / "out")) \
+        if (tmp_path / "out").exists() else True
