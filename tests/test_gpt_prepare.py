@@ -125,7 +125,9 @@ def test_an_interrupted_run_finishes_with_the_same_bytes_tokenizing_only_what_wa
         run(corpus[0], "test_bytes", out, "--workers", "1")
     record = json.loads((out / "prepare.json").read_text())
     assert [s["name"] for s in record["shards"]] == ["docs_val_000000.bin", "docs_train_000001.bin"]
-    assert not record["done"] and "not finished" in run_main(import_gpt("train"), "--data", str(out))[2]
+    assert not record["done"]
+    with pytest.raises(ValueError, match="has not finished it"):  # train.py's data.load: one line before any step
+        load(str(out))
     first, skip = record["shards"][-1]["next"]
     assert first > 0
     tokenized, tokenize = [], prepare.tokenize
@@ -148,9 +150,9 @@ def test_train_py_trains_on_them_and_sample_and_hf_read_their_tokenizer(corpus, 
     hf.py writes the tokenizer beside the weights, which transformers' AutoTokenizer reads into the same ids."""
     out = tmp_path / "docs"
     assert run(corpus[0], tokenizer_json, out, "--workers", "2")[0] == 0
-    result = torchrun_in_process(2, "gpt/train.py", "--data", str(out), "--max_steps", "20", "--eval_every", "20",
+    result = torchrun_in_process(1, "gpt/train.py", "--data", str(out), "--max_steps", "20", "--eval_every", "20",
                                  "--out_dir", "run", "--export", "model.pt", cwd=tmp_path, timeout=120)
-    assert result.codes == [0, 0], result.stderr
+    assert result.codes == [0], result.stderr
     assert "vocab 448, tokenizer tokenizer.json) |" in result.stdouts[0]
     losses = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert losses[-1]["val_loss"] < 0.9 * np.log(400), losses[-1]  # well below uniform over its ids
@@ -176,8 +178,10 @@ def test_train_py_trains_on_them_and_sample_and_hf_read_their_tokenizer(corpus, 
     ("foreign shards", "holds .bin files that prepare.py did not write (no prepare.json)"),
     ("too little", "tokens in all, none left to train on after --val_tokens 10,000,000: give fewer"),
 ])
-def test_bad_input_is_one_line(case, error, corpus, tmp_path):
+def test_bad_input_is_one_line(case, error, corpus, tmp_path, monkeypatch):
     inputs, tokenizer, argv, env = corpus[0], "test_bytes", [], {}
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at its import: no wait on a DNS
     if case == "offline tiktoken":
         tokenizer, env = "cl100k_base", {"TIKTOKEN_CACHE_DIR": str(tmp_path), "HTTPS_PROXY": "http://127.0.0.1:9"}
     elif case == "offline hub":
