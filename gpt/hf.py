@@ -8,8 +8,10 @@
 It writes config.json and model.safetensors. The weights are the same numbers in other places: GPT-2 keeps q, k
 and v in one projection (c_attn, q's rows first) and its Conv1D stores a weight as (in, out), a Linear's
 transposed; the head stays tied to the embedding (one matrix, saved once). A vocabulary padded for speed (50304
-for GPT-2's 50257) is kept, and said; --vocab_size 50257 cuts the rows no token uses. Needs transformers'
-safetensors (requirements-hf.txt); train.py does not.
+for GPT-2's 50257) is kept, and said; --vocab_size 50257 cuts the rows no token uses. A model trained on
+gpt/prepare.py's shards carries the record of their tokenizer: its tokenizer.json and tokenizer_config.json are
+written beside (AutoTokenizer loads the folder). Needs transformers' safetensors, and transformers and tokenizers
+for a tokenizer (requirements-hf.txt); train.py does not.
 """
 import argparse
 import json
@@ -126,17 +128,17 @@ def from_hf(folder: str, config: GPTConfig) -> dict[str, torch.Tensor]:
     return {name: tensor.float().contiguous() for name, tensor in state.items()}
 
 
-def hf_config(config: GPTConfig) -> dict:
+def hf_config(config: GPTConfig, eot: int | None = None) -> dict:
     """config.json for GPT2LMHeadModel: GPT-2's choices where gpt/model.py makes the same (tanh GELU, LayerNorm's
-    eps 1e-5, attention scaled by 1/sqrt(head_dim), tied head)."""
-    text = config.vocab_size >= GPT2_VOCAB  # GPT-2's ids: its end-of-text token
+    eps 1e-5, attention scaled by 1/sqrt(head_dim), tied head). `eot`: the end-of-text id of prepare.py's
+    tokenizer, else GPT-2's where the vocab is GPT-2's size or more."""
+    eot = eot if eot is not None else GPT2_VOCAB - 1 if config.vocab_size >= GPT2_VOCAB else None
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config.vocab_size,
             "n_positions": config.seq_len, "n_embd": config.n_embd, "n_layer": config.n_layer,
             "n_head": config.n_head, "n_inner": None, "activation_function": "gelu_new",
             "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
             "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
-            "tie_word_embeddings": True, "bos_token_id": GPT2_VOCAB - 1 if text else None,
-            "eos_token_id": GPT2_VOCAB - 1 if text else None, "dtype": "float32"}
+            "tie_word_embeddings": True, "bos_token_id": eot, "eos_token_id": eot, "dtype": "float32"}
 
 
 def read(source: str) -> tuple[GPTConfig, dict[str, torch.Tensor], dict | None]:
@@ -190,27 +192,49 @@ def export(source: str, dest: str, vocab_size: int | None) -> str:
     os.makedirs(dest, exist_ok=True)
     save_file(to_hf(state, config), os.path.join(dest, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(dest, "config.json"), "w") as file:
-        json.dump(hf_config(config), file, indent=2)
-    said += tokenizer_files(tokenizer, dest)
+        json.dump(hf_config(config, tokenizer and tokenizer["eot"]), file, indent=2)
+    said += tokenizer_files(tokenizer, dest, config.seq_len)
     return f"wrote {dest} from {source}: GPT2LMHeadModel, {config.n_layer} layers, {said}"
 
 
-def tokenizer_files(tokenizer: dict | None, dest: str) -> str:
-    """Where gpt/prepare.py recorded a Hugging Face tokenizer: its tokenizer.json and a tokenizer_config.json
-    naming its end-of-text token, which AutoTokenizer.from_pretrained(DEST) reads. What is written, said."""
+def tokenizer_files(tokenizer: dict | None, dest: str, positions: int) -> str:
+    """Where the model's shards came from gpt/prepare.py: the tokenizer's tokenizer.json (a tiktoken encoding's
+    made into one) and a tokenizer_config.json naming its end-of-text token, which AutoTokenizer.from_pretrained
+    reads. What is written, said."""
     if tokenizer is None:
         return ""
-    if tokenizer["kind"] != "tokenizers":
-        return f"; tiktoken's {tokenizer['name']} tokenizer not written (for gpt2: openai-community/gpt2's is the same)"
+    text = tokenizer["json"] if tokenizer["kind"] == "tokenizers" else from_tiktoken(tokenizer["name"])
     import tokenizers
 
-    eot = tokenizers.Tokenizer.from_str(tokenizer["json"]).id_to_token(tokenizer["eot"])
+    eot = tokenizers.Tokenizer.from_str(text).id_to_token(tokenizer["eot"])
     with open(os.path.join(dest, "tokenizer.json"), "w", encoding="utf-8") as file:
-        file.write(tokenizer["json"])
+        file.write(text)
     with open(os.path.join(dest, "tokenizer_config.json"), "w") as file:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eot, "bos_token": eot,
-                   "model_max_length": 1 << 30}, file, indent=2)
+                   "model_max_length": positions}, file, indent=2)
     return f"; tokenizer.json ({os.path.basename(tokenizer['name'])}, end of text {eot!r})"
+
+
+def from_tiktoken(name: str) -> str:
+    """A tiktoken encoding as a tokenizer.json: transformers' TikTokenConverter (the same regex, then byte-level
+    BPE with merges read from the ranks) given the ranks in memory. Ids no token has (tiktoken's gaps before its
+    special tokens) are held by placeholders, so that each special token keeps its id."""
+    import tiktoken
+    from tokenizers import AddedToken, Tokenizer
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    encoding = tiktoken.get_encoding(name)
+    converter = TikTokenConverter(pattern=encoding._pat_str)
+    converter.load_tiktoken_bpe = lambda _: encoding._mergeable_ranks
+    tokenizer = converter.converted()
+    special = sorted((i, token) for token, i in encoding._special_tokens.items())
+    for i, token in special:
+        if tokenizer.get_vocab_size(with_added_tokens=True) < i:  # the gap: placeholders no text maps to
+            tokenizer.add_tokens([AddedToken(f"<|unused_{j}|>", special=True) for j in
+                                  range(tokenizer.get_vocab_size(with_added_tokens=True), i)])
+        tokenizer.add_special_tokens([AddedToken(token, normalized=False, special=True)])
+    assert all(tokenizer.token_to_id(token) == i for i, token in special), name
+    return Tokenizer.to_str(tokenizer)
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ one starts (a document, and a token in it): the same command again skips the who
 or over a finished folder does nothing; another command on the folder is refused.
 """
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -110,9 +111,14 @@ def codec(record: dict):
         encoding = tiktoken.get_encoding(record["name"])
         size = encoding.n_vocab
 
+        def piece(i: int) -> bytes:
+            try:
+                return encoding.decode_single_token_bytes(i)
+            except KeyError:  # an id past its vocab (padding), or in a gap before its special tokens
+                return "\ufffd".encode()
+
         def decode(ids: list[int]) -> str:
-            return b"".join(encoding.decode_single_token_bytes(i) if i < size else "\ufffd".encode()
-                            for i in ids).decode("utf-8", errors="replace")
+            return b"".join(map(piece, ids)).decode("utf-8", errors="replace")
         return encoding.encode_ordinary, decode, encoding._special_tokens, size
     try:
         from tokenizers import Tokenizer
@@ -263,9 +269,6 @@ def prepare(args: argparse.Namespace) -> str:
     tokenizer = load_tokenizer(args.tokenizer, args.eot)
     dtype = np.uint16 if tokenizer["vocab_size"] <= 1 << 16 else np.uint32
     os.makedirs(out, exist_ok=True)
-    if tokenizer["kind"] == "tokenizers":
-        with open(os.path.join(out, TOKENIZER_FILE), "w", encoding="utf-8") as file:
-            file.write(tokenizer["json"])
     record["tokenizer"] = {k: v for k, v in tokenizer.items() if k != "json"}
     record["format"] = f"llm.c {np.dtype(dtype).name}"
     # The shards already whole: their files as recorded; the rest is written again.
@@ -277,6 +280,9 @@ def prepare(args: argparse.Namespace) -> str:
 
     def flush(next_start: tuple[int, int]) -> None:
         nonlocal shard, buffer, held
+        if shard == 0 and tokenizer["kind"] == "tokenizers":  # with the first shard: a failed start leaves nothing
+            with open(os.path.join(out, TOKENIZER_FILE), "w", encoding="utf-8") as file:
+                file.write(tokenizer["json"])
         write_shard(os.path.join(out, _name(name, shard)), np.concatenate(buffer), dtype)
         record["shards"].append({"name": _name(name, shard), "tokens": held, "next": next_start})
         _save(record, record_path)
@@ -300,13 +306,16 @@ def prepare(args: argparse.Namespace) -> str:
     if len(record["shards"]) < 2:  # the val shard alone: removed, with the record, as if never begun
         for path in [os.path.join(out, s["name"]) for s in record["shards"]] + [record_path]:
             os.remove(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out, TOKENIZER_FILE))
         raise ValueError(f"{' '.join(args.inputs)}: {sum(s['tokens'] for s in record['shards']):,} tokens in all, "
                          f"none left to train on after --val_tokens {args.val_tokens:,}: give fewer")
     record["done"] = True
     _save(record, record_path)
     seconds = time.perf_counter() - started
     train = record["shards"][1:]
-    return (f"{out}: val 1 shard {record['shards'][0]['tokens']:,} tokens, train {len(train)} shards "
+    shards = f"{len(train)} shard{'s' if len(train) > 1 else ''}"
+    return (f"{out}: val 1 shard {record['shards'][0]['tokens']:,} tokens, train {shards} "
             f"{sum(s['tokens'] for s in train):,} tokens ({record['format']}, tokenizer {args.tokenizer}, vocab "
             f"{tokenizer['vocab_size']:,}); {total:,} tokens written in {seconds:.1f} s: {total / seconds:,.0f} "
             f"tokens/s on {args.workers} worker{'s' if args.workers > 1 else ''}")

@@ -165,6 +165,23 @@ def test_train_py_trains_on_them_and_sample_and_hf_read_their_tokenizer(corpus, 
     assert code == 0 and "tokenizer.json (tokenizer.json, end of text '<|endoftext|>')" in said, stderr
     theirs = AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert theirs(corpus[1][-1])["input_ids"] == own.encode(corpus[1][-1]).ids and theirs.eos_token == "<|endoftext|>"
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["eos_token_id"] == own.token_to_id("<|endoftext|>") and theirs.model_max_length == 64
+
+
+def test_a_tiktoken_encoding_is_written_as_a_tokenizer_json_that_gives_its_ids(corpus, tmp_path):
+    """hf.py's folder for shards that a tiktoken encoding made: AutoTokenizer's ids are tiktoken's, its special
+    token keeping its id past the gap (test_bytes: ranks up to 270, end of text 300); sample.py's decoding of an id
+    in the gap, or past the vocab, is U+FFFD."""
+    from transformers import AutoTokenizer
+    record = {"kind": "tiktoken", "name": "test_bytes", "eot": 300}
+    said = import_gpt("hf").tokenizer_files(record, str(tmp_path), 64)
+    assert said == "; tokenizer.json (test_bytes, end of text '<|endoftext|>')"
+    theirs, own = AutoTokenizer.from_pretrained(tmp_path), tiktoken.get_encoding("test_bytes")
+    text = corpus[1][-1] + "<|endoftext|>" + corpus[1][0]
+    assert theirs(text)["input_ids"] == own.encode(text, allowed_special="all") and theirs.eos_token_id == 300
+    encode, decode = prepare.codec(record)[:2]
+    assert decode([*encode("naïve"), 290, 320, *encode(" café")]) == "naïve\ufffd\ufffd café"
 
 
 @pytest.mark.parametrize(("case", "error"), [
