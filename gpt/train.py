@@ -347,7 +347,9 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
     with torch.device("meta"):  # no memory: parallelize_gpt gives each rank what it holds, and the weights
         gpt = GPT(config)
     n_params, flops_per_token = gpt.num_params(), gpt.flops_per_token()
-    start = hf.from_hf(args.init_from, config) if args.init_from else None  # checked before OUT_DIR
+    resuming = [bool(checkpoints.committed())]  # a checkpoint comes first: --init_from's folder is then not read
+    dist.broadcast_object_list(resuming, src=0)  # rank 0's view of OUT_DIR, as Checkpoints.newest() takes it
+    start = hf.from_hf(args.init_from, config) if args.init_from and not resuming[0] else None  # checked already
     model = parallelize.parallelize_gpt(gpt, mesh, args, device, start=start)
     del start
     dp_rank, dp_size = parallelize.data_rank(mesh, rank, world_size)  # a tp group's ranks read the same batch
@@ -370,7 +372,7 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
               f"rank{'s' if world_size > 1 else ''}{f' ({shape})' if shape else ''}, {device.type}"
               f"{'' if args.activation_checkpoint == 'none' else f', {args.activation_checkpoint} checkpointing'} | "
               f"data {tokens.summary()} | global batch {global_batch} × {args.seq_len} tokens"
-              f"{f' | weights from {args.init_from}' if args.init_from else ''}", flush=True)
+              f"{f' | weights from {args.init_from}' if args.init_from and not resuming[0] else ''}", flush=True)
         node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         if node % args.tp:  # tp innermost: its groups stay in a node only if they tile it
             print(f"--tp {args.tp}: its groups span nodes of {node} ranks, and tp's collectives (12 a block a step) "

@@ -159,6 +159,29 @@ def test_the_first_loss_from_a_transformers_model_is_transformers_loss(nproc, la
     assert logged > 7  # not a fresh gpt/ model's loss (about ln 256 = 5.545)
 
 
+def test_a_fine_tune_from_transformers_resumes_and_reshards_like_any_run(theirs, text_file, tmp_path):  # noqa: F811
+    """--init_from under fsdp 2 for 4 steps, a checkpoint at each 2; its step 2 resumed with the same command under
+    ddp on 1 rank (DCP reshards): the checkpoint's weights, not the folder's again (the log says it resumed, and
+    says no weights from the folder), and every later step's loss within 1e-5 of the uninterrupted run's (a sum
+    split otherwise, rounded otherwise)."""
+    argv = ("--data", str(text_file), "--init_from", str(theirs), "--seq_len", "32", "--max_steps", "4",
+            "--save_every", "2", "--log_every", "1", "--eval_every", "100", "--batch_size", "4", "--grad_accum", "2",
+            "--out_dir", "out")
+    whole = torchrun_in_process(2, "gpt/train.py", *argv, "--parallel", "fsdp", "--batch_size", "2", cwd=tmp_path,
+                                timeout=120)
+    assert whole.codes == [0, 0], whole.stderr
+    (tmp_path / "resumed").mkdir()
+    shutil.copytree(tmp_path / "out" / "step_00000002", tmp_path / "resumed" / "out" / "step_00000002")
+    resumed = torchrun_in_process(1, "gpt/train.py", *argv, cwd=tmp_path / "resumed", timeout=120)
+    assert resumed.codes == [0], resumed.stderr
+    assert "resuming from out/step_00000002: step 2 of 4" in resumed.stdouts[0]
+    assert "| weights from" not in resumed.stdouts[0] and f"| weights from {theirs}" in whole.stdouts[0]
+    losses = [[json.loads(line)["loss"] for line in (folder / "out" / "metrics.jsonl").read_text().splitlines()
+               if '"loss"' in line] for folder in (tmp_path, tmp_path / "resumed")]
+    assert len(losses[0]) == 4 and len(losses[1]) == 2
+    assert losses[1] == pytest.approx(losses[0][2:], rel=1e-5, abs=0)
+
+
 def test_export_then_import_gives_back_the_same_weights_bit_for_bit(trained, theirs, tmp_path):
     """gpt/ to transformers and back (the ddp run's model); and a folder of pytorch_model.bin reads as its
     safetensors twin does."""
