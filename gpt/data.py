@@ -207,20 +207,24 @@ def _folder(folder: str, vocab_size: int | None, dtype: str | None) -> Tokens:
 
 def tokenizer_of(folder: str) -> dict | None:
     """gpt/prepare.py's record of the tokenizer that made a folder's shards (with its tokenizer.json's text), or
-    None where prepare.py did not make them. ValueError where it has not finished them."""
+    None where prepare.py did not make them. ValueError where it has not finished them, or its record is damaged."""
+    path = os.path.join(folder, PREPARED[0])
+    if not os.path.isfile(path):
+        return None
     try:
-        with open(os.path.join(folder, PREPARED[0])) as file:
+        with open(path) as file:
             record = json.load(file)
-        if not record["done"]:  # an interrupted prepare.py: its shards so far are part of the data
-            raise ValueError(f"--data {folder}: gpt/prepare.py has not finished it ({len(record['shards'])} shards "
-                             "so far): run the same prepare.py command again, which finishes it")
-        tokenizer = record["tokenizer"]
-        if tokenizer["kind"] == "tokenizers":
+        done, shards, tokenizer = record["done"], len(record["shards"]), record["tokenizer"]
+        if done and tokenizer["kind"] == "tokenizers":
             with open(os.path.join(folder, PREPARED[1]), encoding="utf-8") as file:
                 tokenizer["json"] = file.read()
-        return tokenizer
-    except (OSError, json.JSONDecodeError, KeyError, TypeError):
-        return None
+    except (OSError, ValueError, KeyError, TypeError) as error:  # a truncated or foreign record, a lost file
+        raise ValueError(f"--data {path}: not a whole record of gpt/prepare.py ({type(error).__name__}): run the "
+                         "prepare.py command again, or remove it") from None
+    if not done:  # an interrupted prepare.py: its shards so far are part of the data
+        raise ValueError(f"--data {folder}: gpt/prepare.py has not finished it ({shards} shards so far): run the "
+                         "same prepare.py command again, which finishes it")
+    return tokenizer
 
 
 def _enough_descriptors(folder: str, count: int) -> None:

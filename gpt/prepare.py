@@ -23,10 +23,14 @@ or over a finished folder does nothing; another command on the folder is refused
 """
 import argparse
 import contextlib
+import fcntl
+import hashlib
 import itertools
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
@@ -36,6 +40,7 @@ import numpy as np
 
 HEADER = {np.uint16: (20240520, 1), np.uint32: (20240801, 7)}  # llm.c's magic and version (gpt/data.py's)
 RECORD, TOKENIZER_FILE = "prepare.json", "tokenizer.json"  # read by gpt/data.py's tokenizer_of
+LOCK = "prepare.lock"  # held by the one prepare.py that writes the folder
 EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")  # GPT-2 and OpenAI's, Llama 3, Llama 2, Gemma
 INSTALL = "pip install -r requirements-hf.txt"
 TEXT = (".txt", ".md", ".jsonl")  # what a folder's files are read
@@ -69,6 +74,8 @@ def load_tokenizer(spec: str, eot_name: str | None = None) -> dict:
                 record = {"kind": "tokenizers", "name": os.path.abspath(spec), "json": file.read()}
         except OSError as error:
             raise ValueError(f"--tokenizer {spec}: {error.strerror}") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"--tokenizer {spec}: not a tokenizer.json (not UTF-8 text)") from None
     else:
         try:
             import tiktoken
@@ -128,6 +135,7 @@ def codec(record: dict):
         tokenizer = Tokenizer.from_str(record["json"])
     except Exception as error:  # its parser's own Exception
         raise ValueError(f"--tokenizer {record['name']}: not a tokenizer.json ({str(error)[:120]})") from None
+    tokenizer.encode_special_tokens = True  # "<|endoftext|>" in a text is text, as tiktoken's encode_ordinary has it
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     size = max(vocab.values()) + 1
 
@@ -153,7 +161,7 @@ def documents(inputs: list[str], text_field: str, start: int = 0):
             index += 1
             continue
         with open(path, encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
+            for number, line in enumerate(_utf8(lines, path), 1):
                 if not line.strip():
                     continue
                 if index >= start:
@@ -166,6 +174,13 @@ def documents(inputs: list[str], text_field: str, start: int = 0):
                                          f"{text_field!r} (--text_field)")
                     yield index, text
                 index += 1
+
+
+def _utf8(lines, path: str):
+    try:
+        yield from lines
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start} of a chunk)") from None
 
 
 def files(inputs: list[str]) -> list[str]:
@@ -192,9 +207,18 @@ def _read(path: str) -> str:
 _encode = _eot = None
 
 
-def _start_worker(record: dict) -> None:
+def _start_worker(record: dict, parent: int | None = None) -> None:
+    """A worker's tokenizer. Ctrl-C is the writer's to handle; a worker whose writer died (SIGKILL) exits too."""
     global _encode, _eot
     _encode, _eot = codec(record)[0], record["eot"]
+    if parent is not None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os._exit(1)
+        threading.Thread(target=watch, daemon=True).start()
 
 
 def tokenize(batch: list[tuple[int, str]]) -> list[tuple[int, np.ndarray]]:
@@ -224,7 +248,8 @@ def tokenized(work, workers: int, tokenizer: dict):
         for batch in work:
             yield from tokenize(batch)
         return
-    pool = ProcessPoolExecutor(workers, get_context("spawn"), initializer=_start_worker, initargs=(tokenizer,))
+    pool = ProcessPoolExecutor(workers, get_context("spawn"), initializer=_start_worker,
+                               initargs=(tokenizer, os.getpid()))
     try:
         pending = deque(pool.submit(tokenize, batch) for batch in itertools.islice(work, 3 * workers))
         while pending:
@@ -247,30 +272,38 @@ def write_shard(path: str, ids: np.ndarray, dtype) -> None:
 
 
 def prepare(args: argparse.Namespace) -> str:
-    """Writes (or finishes) the shards; returns the line that says what was done."""
+    """Writes (or finishes) the shards; returns the line that says what was done. Everything that can be refused
+    is refused before --out_dir is made; the folder is locked while one prepare.py writes it."""
     started = time.perf_counter()
     out, name = args.out_dir, os.path.basename(os.path.normpath(args.out_dir))
-    settings = {"inputs": [os.path.abspath(p) for p in files(args.inputs)], "tokenizer": args.tokenizer,
-                "eot": args.eot, "text_field": args.text_field, "val_tokens": args.val_tokens,
-                "shard_tokens": args.shard_tokens}
-    record_path = os.path.join(out, RECORD)
-    record = {"settings": settings, "shards": [], "done": False}
-    if os.path.exists(record_path):
-        with open(record_path) as file:
-            record = json.load(file)
-        if record["settings"] != settings:
-            other = next(k for k in settings if record["settings"].get(k) != settings[k])
-            raise ValueError(f"--out_dir {out}: prepared by another command ({other} differs): give another "
-                             "--out_dir, or remove this one")
+    inputs = files(args.inputs)
+    if not inputs:
+        raise ValueError(f"{' '.join(args.inputs)}: no {', '.join(TEXT)} file in it")
+    tokenizer = load_tokenizer(args.tokenizer, args.eot)
+    settings = {"inputs": [[os.path.abspath(p), os.path.getsize(p), os.stat(p).st_mtime_ns] for p in inputs],
+                "tokenizer": {k: v for k, v in tokenizer.items() if k != "json"}, "text_field": args.text_field,
+                "val_tokens": args.val_tokens, "shard_tokens": args.shard_tokens}
+    if "json" in tokenizer:  # its file's text, not only its path
+        settings["tokenizer"]["sha256"] = hashlib.sha256(tokenizer["json"].encode()).hexdigest()
+    if os.path.isfile(os.path.join(out, RECORD)):
+        _compare(_load(out), settings, out)  # before any write; again under the lock
     elif os.path.isdir(out) and any(n.endswith(".bin") for n in os.listdir(out)):
         raise ValueError(f"--out_dir {out}: holds .bin files that prepare.py did not write (no {RECORD})")
+    made = not os.path.isdir(out)
+    os.makedirs(out, exist_ok=True)
+    lock = open(os.path.join(out, LOCK), "w")  # noqa: SIM115 (held until this process ends)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ValueError(f"--out_dir {out}: another prepare.py is writing it: wait for it, or give another "
+                         "--out_dir") from None
+    record = _load(out) if os.path.isfile(os.path.join(out, RECORD)) else {"settings": settings, "shards": [],
+                                                                         "done": False}
+    _compare(record, settings, out)
     if record["done"]:
         return f"{out}: prepared already ({len(record['shards'])} shards): nothing to do"
-    tokenizer = load_tokenizer(args.tokenizer, args.eot)
     dtype = np.uint16 if tokenizer["vocab_size"] <= 1 << 16 else np.uint32
-    os.makedirs(out, exist_ok=True)
-    record["tokenizer"] = {k: v for k, v in tokenizer.items() if k != "json"}
-    record["format"] = f"llm.c {np.dtype(dtype).name}"
+    record["tokenizer"], record["format"] = settings["tokenizer"], f"llm.c {np.dtype(dtype).name}"
     # The shards already whole: their files as recorded; the rest is written again.
     whole = [s for s in record["shards"] if os.path.isfile(os.path.join(out, s["name"]))
              and os.path.getsize(os.path.join(out, s["name"])) == 1024 + s["tokens"] * np.dtype(dtype).itemsize]
@@ -280,38 +313,49 @@ def prepare(args: argparse.Namespace) -> str:
 
     def flush(next_start: tuple[int, int]) -> None:
         nonlocal shard, buffer, held
-        if shard == 0 and tokenizer["kind"] == "tokenizers":  # with the first shard: a failed start leaves nothing
+        if shard == 0 and "json" in tokenizer:
             with open(os.path.join(out, TOKENIZER_FILE), "w", encoding="utf-8") as file:
                 file.write(tokenizer["json"])
         write_shard(os.path.join(out, _name(name, shard)), np.concatenate(buffer), dtype)
         record["shards"].append({"name": _name(name, shard), "tokens": held, "next": next_start})
-        _save(record, record_path)
+        _save(record, os.path.join(out, RECORD))
         shard, buffer, held = shard + 1, [], 0
 
+    def undo() -> None:
+        """What this run wrote, removed (a failure before any train shard: as if never begun)."""
+        for leftover in [s["name"] for s in record["shards"]] + [RECORD, TOKENIZER_FILE, LOCK]:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(out, leftover))
+        if made:
+            os.rmdir(out)
+
     done, bar = begin, progress_bar()
-    for index, ids in tokenized(documents(args.inputs, args.text_field, begin), args.workers, tokenizer):
-        bar.update(len(ids))
-        at = skip if index == begin else 0
-        while at < len(ids):
-            room = (args.val_tokens if shard == 0 else args.shard_tokens) - held
-            piece = ids[at:at + room]
-            buffer.append(piece)
-            held, at, total = held + len(piece), at + len(piece), total + len(piece)
-            if held == (args.val_tokens if shard == 0 else args.shard_tokens):
-                flush((index, at) if at < len(ids) else (index + 1, 0))
-        done = index + 1
+    try:
+        for index, ids in tokenized(documents(inputs, args.text_field, begin), args.workers, tokenizer):
+            bar.update(len(ids))
+            at = skip if index == begin else 0
+            while at < len(ids):
+                room = (args.val_tokens if shard == 0 else args.shard_tokens) - held
+                piece = ids[at:at + room]
+                buffer.append(piece)
+                held, at, total = held + len(piece), at + len(piece), total + len(piece)
+                if held == (args.val_tokens if shard == 0 else args.shard_tokens):
+                    flush((index, at) if at < len(ids) else (index + 1, 0))
+            done = index + 1
+    except ValueError:  # a file that is not text, a bad line: where nothing is recorded yet, nothing is left
+        if not record["shards"]:
+            undo()
+        raise
     bar.close()
     if held:
         flush((done, 0))
-    if len(record["shards"]) < 2:  # the val shard alone: removed, with the record, as if never begun
-        for path in [os.path.join(out, s["name"]) for s in record["shards"]] + [record_path]:
-            os.remove(path)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(out, TOKENIZER_FILE))
-        raise ValueError(f"{' '.join(args.inputs)}: {sum(s['tokens'] for s in record['shards']):,} tokens in all, "
-                         f"none left to train on after --val_tokens {args.val_tokens:,}: give fewer")
+    if len(record["shards"]) < 2:  # no train shard
+        count = sum(s["tokens"] for s in record["shards"])
+        undo()
+        raise ValueError(f"{' '.join(args.inputs)}: {count:,} tokens in all, none left to train on after "
+                         f"--val_tokens {args.val_tokens:,}: {'give fewer' if count else 'no text in it'}")
     record["done"] = True
-    _save(record, record_path)
+    _save(record, os.path.join(out, RECORD))
     seconds = time.perf_counter() - started
     train = record["shards"][1:]
     shards = f"{len(train)} shard{'s' if len(train) > 1 else ''}"
@@ -319,6 +363,25 @@ def prepare(args: argparse.Namespace) -> str:
             f"{sum(s['tokens'] for s in train):,} tokens ({record['format']}, tokenizer {args.tokenizer}, vocab "
             f"{tokenizer['vocab_size']:,}); {total:,} tokens written in {seconds:.1f} s: {total / seconds:,.0f} "
             f"tokens/s on {args.workers} worker{'s' if args.workers > 1 else ''}")
+
+
+def _load(out: str) -> dict:
+    try:
+        with open(os.path.join(out, RECORD)) as file:
+            return json.load(file)
+    except ValueError as error:
+        raise ValueError(f"--out_dir {out}: its {RECORD} is damaged ({error}): remove the folder to start "
+                         "again") from None
+
+
+def _compare(record: dict, settings: dict, out: str) -> None:
+    """A folder is finished by the command that began it, on the same files: else one line."""
+    theirs = record.get("settings", {})
+    if theirs != settings:
+        other = next(k for k in settings if theirs.get(k) != settings[k])
+        what = "the inputs (or their sizes or times) differ" if other == "inputs" else f"another --{other}"
+        raise ValueError(f"--out_dir {out}: prepared by another command ({what}): give another --out_dir, or "
+                         "remove this one")
 
 
 def progress_bar():
@@ -362,10 +425,17 @@ def _save(record: dict, path: str) -> None:
 
 def main() -> None:
     args = parse_args()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: the workers are stopped, shards kept
     try:
         bench(args) if args.bench else print(prepare(args))
     except ValueError as error:
         sys.exit(f"error: {error}")
+    except OSError as error:
+        sys.exit(f"error: {error.filename or args.out_dir}: {error.strerror or error}")
+    except KeyboardInterrupt:
+        print(f"interrupted: {args.out_dir}'s whole shards are kept, and the same command finishes it",
+              file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ shards, the same bytes at 1 and 2 workers (tokenizers' and tiktoken's own calls 
 prepare.py's); an interrupted run finishes with the uninterrupted run's bytes, tokenizing only what was not
 written; train.py trains on them with the tokenizer's vocabulary, and sample.py and hf.py turn its ids into text
 with the record the shards carry; bad input is one line."""
+import fcntl
 import json
 import os
 import sys
@@ -41,7 +42,8 @@ def corpus(tmp_path_factory):
     for path in sorted((REPO / "docs").glob("*.md"))[:6]:
         (root / "pages" / path.name).write_text(path.read_text())
     documents += [p.read_text() for p in sorted((root / "pages").iterdir())]
-    paragraphs = [p for p in (REPO / "README.md").read_text().split("\n\n") if p.strip()] + ["naïve café, 東京 ✓"]
+    paragraphs = [p for p in (REPO / "README.md").read_text().split("\n\n") if p.strip()]
+    paragraphs += ["naïve café, 東京 ✓", "a text that names <|endoftext|>, which is text here, not a boundary"]
     (root / "readme.jsonl").write_text("".join(json.dumps({"text": p, "id": i}) + "\n" for i, p in
                                                enumerate(paragraphs)))
     return [str(root / "pages"), str(root / "readme.jsonl")], documents + paragraphs
@@ -64,6 +66,7 @@ def expected_ids(tokenizer: str, documents: list[str]) -> tuple[np.ndarray, int]
     """(the stream, the end-of-text id) by the tokenizer library's own calls."""
     if tokenizer.endswith(".json"):
         own = Tokenizer.from_file(tokenizer)
+        own.encode_special_tokens = True  # its special tokens' text as text: tiktoken's encode_ordinary
         eot, encode = own.token_to_id("<|endoftext|>"), lambda text: own.encode(text, add_special_tokens=False).ids
     else:
         own = tiktoken.get_encoding(tokenizer)
@@ -99,15 +102,16 @@ def test_the_shards_hold_each_documents_ids_after_its_end_of_text_whatever_the_w
     assert header == [20240801, 7, 3000] if wide else [20240520, 1, 3000]
     tokens = load(str(out))  # train.py's reader: the val shard, then the train shards in order
     assert tokens.train.dtype == (np.uint32 if wide else np.uint16)
-    assert np.array_equal(np.concatenate([tokens.val[:], tokens.train[:]]), expected)
-    assert (expected == eot).sum() == len(corpus[1]) and (eot > 65535) == wide
+    stream = np.concatenate([tokens.val[:], tokens.train[:]])
+    assert np.array_equal(stream, expected)
+    assert (stream == eot).sum() == len(corpus[1]) and (eot > 65535) == wide  # one a document: none from its text
     assert tokens.vocab_size == {"test_bytes": 320, "test_wide": 70016}.get(tokenizer, 448)  # rounded up to 64
     assert f"train {len(names) - 1} shards {len(expected) - 3000:,} tokens (llm.c uint{32 if wide else 16}" in stdout
 
 
 def test_an_interrupted_run_finishes_with_the_same_bytes_tokenizing_only_what_was_not_written(
         corpus, tmp_path, monkeypatch):
-    """Stopped as its third shard is written (a .tmp left behind), the same command finishes the folder: the
+    """Interrupted as its third shard is written (a .tmp left behind), the same command finishes the folder: the
     uninterrupted run's bytes, and the documents before the recorded start of the third shard never tokenized
     again. Then it does nothing; another command on the folder is refused."""
     whole = tmp_path / "whole" / "docs"
@@ -121,8 +125,8 @@ def test_an_interrupted_run_finishes_with_the_same_bytes_tokenizing_only_what_wa
             raise KeyboardInterrupt
         write(path, ids, dtype)
     monkeypatch.setattr(prepare, "write_shard", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        run(corpus[0], "test_bytes", out, "--workers", "1")
+    code, _, stderr = run(corpus[0], "test_bytes", out, "--workers", "1")  # Ctrl-C, or SIGTERM: the same
+    assert code == 130 and stderr == f"interrupted: {out}'s whole shards are kept, and the same command finishes it\n"
     record = json.loads((out / "prepare.json").read_text())
     assert [s["name"] for s in record["shards"]] == ["docs_val_000000.bin", "docs_train_000001.bin"]
     assert not record["done"]
@@ -140,8 +144,8 @@ def test_an_interrupted_run_finishes_with_the_same_bytes_tokenizing_only_what_wa
     again = run(corpus[0], "test_bytes", out)[1]
     assert again == f"{out}: prepared already ({len(shards(whole))} shards): nothing to do\n"
     code, _, stderr = run(corpus[0], "test_wide", out)
-    assert code == 1 and stderr == f"error: --out_dir {out}: prepared by another command (tokenizer differs): give " \
-        "another --out_dir, or remove this one\n"
+    assert code == 1 and stderr == f"error: --out_dir {out}: prepared by another command (another --tokenizer): " \
+        "give another --out_dir, or remove this one\n"
 
 
 def test_train_py_trains_on_them_and_sample_and_hf_read_their_tokenizer(corpus, tokenizer_json, tmp_path):
@@ -194,6 +198,12 @@ def test_a_tiktoken_encoding_is_written_as_a_tokenizer_json_that_gives_its_ids(c
     ("bad line", "readme.jsonl:1: not a JSON object with a string field 'body' (--text_field)"),
     ("foreign shards", "holds .bin files that prepare.py did not write (no prepare.json)"),
     ("too little", "tokens in all, none left to train on after --val_tokens 10,000,000: give fewer"),
+    ("no text", "0 tokens in all, none left to train on after --val_tokens 131,072: no text in it"),
+    ("no text file", "no .txt, .md, .jsonl file in it"),
+    ("inputs changed", "prepared by another command (the inputs (or their sizes or times) differ): give another "
+                       "--out_dir, or remove this one"),
+    ("locked", "another prepare.py is writing it: wait for it, or give another --out_dir"),
+    ("damaged record", "its prepare.json is damaged (Expecting value: line 1 column 1 (char 0)): remove the folder"),
 ])
 def test_bad_input_is_one_line(case, error, corpus, tmp_path, monkeypatch):
     inputs, tokenizer, argv, env = corpus[0], "test_bytes", [], {}
@@ -213,8 +223,25 @@ def test_bad_input_is_one_line(case, error, corpus, tmp_path, monkeypatch):
     elif case == "foreign shards":
         (tmp_path / "out").mkdir()
         (tmp_path / "out" / "train.bin").write_bytes(b"\0\0")
+    elif case in ("no text", "no text file"):
+        (tmp_path / "in").mkdir()
+        (tmp_path / "in" / ("empty.jsonl" if case == "no text" else "picture.png")).write_bytes(b"")
+        inputs = [str(tmp_path / "in")]
+    elif case in ("inputs changed", "locked", "damaged record"):
+        inputs, argv = [str(tmp_path / "page.md")], ["--val_tokens", "100"]
+        (tmp_path / "page.md").write_text(corpus[1][0])
+        assert run_main(prepare, *inputs, "--tokenizer", tokenizer, "--out_dir", str(tmp_path / "out"), *argv)[0] == 0
+        if case == "inputs changed":
+            (tmp_path / "page.md").write_text(corpus[1][0] + "\nmore")
+        elif case == "locked":
+            held = open(tmp_path / "out" / "prepare.lock", "w")  # noqa: SIM115
+            fcntl.flock(held, fcntl.LOCK_EX)
+        else:
+            (tmp_path / "out" / "prepare.json").write_text("")
+            with pytest.raises(ValueError, match="prepare.json: not a whole record of gpt/prepare.py"):
+                load(str(tmp_path / "out"))  # train.py's reader: one line, not a run without the record
     code, _, stderr = run_main(prepare, *inputs, "--tokenizer", tokenizer, "--out_dir", str(tmp_path / "out"), *argv,
                                *(["--val_tokens", "10000000"] if case == "too little" else []), env=env)
     assert code == 1 and stderr.startswith("error: ") and error in stderr and stderr.count("\n") == 1, stderr
-    assert case == "foreign shards" or not any(n.endswith(".bin") for n in os.listdir(tmp_path / "out")) \
-        if (tmp_path / "out").exists() else True
+    if case not in ("foreign shards", "inputs changed", "locked", "damaged record"):
+        assert not (tmp_path / "out").exists()  # refused before it is made, or removed with what it held
