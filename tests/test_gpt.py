@@ -227,11 +227,10 @@ def assert_bit_for_bit(reference, other, what: str) -> None:
 def test_activation_checkpointing_changes_no_loss_bit_for_bit():
     """--activation_checkpoint full and selective recompute in backward what the forward computed, with the same
     weights (FSDP gathers a block's before its backward, which recomputes inside) and the same kernels: fp32 on
-    a CPU, the same numbers. One process (both), fsdp 2 (full), fsdp 1 × tp 2 (selective, its collectives run
-    again in the recomputation) and pp 2 in a V with zero bubble's split backward (full), each against the same
-    layout without it: every logged loss, gradient norm and validation loss, and every exported weight, equal."""
-    layouts = {"one process": (("ddp", *SPLITS[0]), ("full", "selective")),
-               "fsdp 2": (("fsdp", *SPLITS[1]), ("full",)),
+    a CPU, the same numbers. fsdp 2 (full), fsdp 1 × tp 2 (selective, its collectives run again in the
+    recomputation) and pp 2 in a V with zero bubble's split backward (full), each against the same layout without
+    it: every logged loss, gradient norm and validation loss, and every exported weight, equal."""
+    layouts = {"fsdp 2": (("fsdp", *SPLITS[1]), ("full",)),
                "tp 2": (("fsdp", 2, *TP_SPLIT, "--tp", "2"), ("selective",)),
                "pp 2, ZBVZeroBubble": (("fsdp", 2, 3, 4, "--model", "mini", "--pp", "2", "--pp_schedule",
                                         "ZBVZeroBubble"), ("full",))}
