@@ -26,6 +26,7 @@ import torch
 from docs_blocks import rerun, succeeded
 from harness import spawn, torchrun_in_process
 from launch import REPO, run
+from test_errors import run_main
 
 sys.path.insert(0, str(REPO))  # gpt.model and gpt.data, which import nothing of the project
 from gpt.data import load  # noqa: E402
@@ -168,7 +169,7 @@ def assert_same_in_half_precision(reference, other, what: str) -> None:
 def test_tensor_parallel_in_half_precision_trains_what_one_process_does_in_it(precision):
     """tp 2 against one process, both computing in bf16 (or fp16) through FSDP's policy, to HALF's tolerances."""
     reference = run_split("fsdp", *SPLITS[0], "--precision", precision)
-    assert_same_in_half_precision(reference, run_split("fsdp", 2, 2, 6, "--tp", "2", "--precision", precision),
+    assert_same_in_half_precision(reference, run_split("fsdp", 2, *TP_SPLIT, "--tp", "2", "--precision", precision),
                                   f"tp 2 in {precision}")
 
 
@@ -359,7 +360,7 @@ def text_file(tmp_path_factory) -> Path:
 
 
 def test_a_text_file_trains_well_below_the_uniform_loss(text_file):
-    records, _, stdout = train(2, "--data", str(text_file))
+    records, _, stdout = train(2, "--data", str(text_file), "--max_steps", "120")  # 2.92 at 120, 300 the default
     size = text_file.stat().st_size
     assert f"data {text_file} (text uint8: train 1 file {size * 9 // 10:,} tokens, val 1 file " \
            f"{size - size * 9 // 10:,} tokens; vocab 256)" in stdout
@@ -675,15 +676,14 @@ def test_bench_prints_each_schedules_wait_beside_its_formula_and_the_micro_batch
         assert int(formula) == {"1F1B": 20, "ZBVZeroBubble": 0}[name]  # 1 / (4 + 1)
         assert held == {"1F1B": "0:2 1:1", "ZBVZeroBubble": "0:4 1:3 2:2 3:1"}[name], name
     files = [str(tmp_path / f"{name}.json") for name in ("1F1B", "ZBVZeroBubble")]
-    drawn = run([sys.executable, str(REPO / "gpt" / "plot.py"), "--pipeline", *files, "--out",
-                 str(tmp_path / "pp.png")], timeout=60)
-    assert drawn.returncode == 0 and (tmp_path / "pp.png").stat().st_size > 0, drawn.stderr
+    code, _, stderr = run_main(import_gpt("plot"), "--pipeline", *files, "--out", str(tmp_path / "pp.png"))
+    assert code == 0 and (tmp_path / "pp.png").stat().st_size > 0, stderr
     timelines = [json.loads(Path(f).read_text()) for f in files]
     pieces = [sum(len(rank) for rank in t["ranks"]) for t in timelines]
     assert pieces == [2 * 2 * 4, 3 * 4 * 4]  # 1F1B: F and B per micro-batch and stage; ZB-V: F, I, W on 4 stages
-    alone = run([sys.executable, str(REPO / "gpt" / "bench.py"), "--world_sizes", "1", "--pp", "1F1B"], timeout=60)
-    assert alone.returncode == 2 and alone.stderr.splitlines()[-1] == "bench.py: error: --pp runs one pipeline over " \
-        "the last of --world_sizes: it must be 2 or more", alone.stderr
+    code, _, stderr = run_main(import_gpt("bench"), "--world_sizes", "1", "--pp", "1F1B")
+    assert code == 2 and stderr.splitlines()[-1] == "bench.py: error: --pp runs one pipeline over the last of " \
+        "--world_sizes: it must be 2 or more", stderr
 
 
 def test_bench_host_prints_each_layouts_time_per_step_from_its_runs_tokens_per_second(monkeypatch, capsys):

@@ -92,24 +92,24 @@ def hosts():
 
 
 def test_two_hosts_restart_after_a_killed_worker_and_train_what_one_host_trains(hosts, tmp_path):
-    """gpt/train.sbatch's launch on two nodes (a worker each): the second host's dies at step 10, both agents
-    restart their workers, and the job ends with the weights of one host with 2 workers, bit for bit."""
+    """gpt/train.sbatch's launch on two nodes: a worker on the second host dies at step 10, both agents
+    restart their workers, and the job ends with the weights of one host with 4 workers, bit for bit."""
     if not hosts.netns:
         print("no network namespaces here (needs root and iproute2): both agents on 127.0.0.1")
     reference = tmp_path / "one_host"
     reference.mkdir()
-    assert launch(2, reference).codes == [0] * 2
+    assert launch(4, reference).codes == [0] * 4
     port = free_port()
     group = Group(tmp_path)
     for host in range(2):
-        kill = {"KILL_LOCAL_RANK": "0", "KILL_AT": "step:10"} if host == 1 else {}
+        kill = {"KILL_LOCAL_RANK": "1", "KILL_AT": "step:10"} if host == 1 else {}
         group.start(hosts.command(host, [
-            TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "1",
+            TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.addresses[0]}:{port}", "--rdzv-id", "test-job",
             # The namespaces share one hostname, so say which agent hosts the rendezvous store and
             # which address each one is reachable at (real machines work these out themselves).
             "--rdzv-conf", f"is_host={int(host == 0)}", "--local-addr", hosts.addresses[host],
-            TRAIN, *ARGV, *split(2), "--out_dir", str(tmp_path / "out"), "--export", str(tmp_path / "model.pt"),
+            TRAIN, *ARGV, *split(4), "--out_dir", str(tmp_path / "out"), "--export", str(tmp_path / "model.pt"),
         ]), env={**RESTARTABLE_ON_SEVERAL_NODES, **INJECT, **kill})
     codes = group.wait(timeout=180)
     assert codes == [0, 0], group.stderr(0) + group.stderr(1)
