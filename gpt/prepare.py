@@ -4,7 +4,8 @@
     python gpt/train.py --data data/mine ...
 
 INPUT: text files, folders (their .txt, .md and .jsonl files, in name order) and JSON lines (.jsonl: one document a
-line, its --text_field). A text file is one document. Each document is tokenized with an end-of-text token before
+line, its --text_field), or --dataset: a Hugging Face data set, a hub name or a folder of its files, streamed in
+order. A text file is one document. Each document is tokenized with an end-of-text token before
 it, and the stream cut into llm.c's shards, as its fineweb.py cuts them: NAME_val_000000.bin holds the first
 --val_tokens tokens, NAME_train_000001.bin and on the rest, --shard_tokens each (the last shorter); NAME is
 --out_dir's last part. Their header (gpt/data.py reads both): magic 20240520 version 1 and uint16 ids where every
@@ -48,7 +49,11 @@ TEXT = (".txt", ".md", ".jsonl")  # what a folder's files are read
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, folders, .jsonl files")
+    p.add_argument("inputs", nargs="*", metavar="INPUT", help="text files, folders, .jsonl files")
+    p.add_argument("--dataset", help="a Hugging Face data set (a hub name, or a folder of its files), in place of "
+                   "INPUT: its --dataset_split's --text_field, streamed in order (pip install datasets)")
+    p.add_argument("--dataset_config", help="the data set's configuration (a subset), if it has several")
+    p.add_argument("--dataset_split", default="train", help="its split (default: train)")
     p.add_argument("--tokenizer", required=True, help="a tiktoken encoding's name, or a tokenizer.json (file or hub)")
     p.add_argument("--out_dir", required=True, help="the folder of shards (train.py's --data)")
     p.add_argument("--text_field", default="text", help="the field of a .jsonl line that holds its text")
@@ -59,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bench", action="store_true", help="print the tokens/s at 1 and --workers workers, and the "
                    "tokenizer's own in one thread, writing nothing to --out_dir")
     args = p.parse_args(argv)
+    if bool(args.inputs) == bool(args.dataset):
+        p.error("give INPUT files or folders, or --dataset, not both")
     for name in ("val_tokens", "shard_tokens", "workers"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
@@ -149,6 +156,31 @@ def codec(record: dict):
         return "\ufffd".join(tokenizer.decode(piece, skip_special_tokens=False) for piece in pieces)
     special = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
     return lambda text: tokenizer.encode(text, add_special_tokens=False).ids, decode, special, size
+
+
+def streamed(args: argparse.Namespace, start: int = 0):
+    """(index, text) of each row of --dataset's split, in order, from `start` on (the ones before it are read
+    again, not tokenized: a stream has no other way to them)."""
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"--dataset needs the datasets package: {INSTALL}") from None
+    try:
+        rows = datasets.load_dataset(args.dataset, args.dataset_config, split=args.dataset_split, streaming=True)
+        for index, row in enumerate(rows):
+            if index >= start:
+                text = row.get(args.text_field)
+                if not isinstance(text, str):
+                    raise ValueError(f"--dataset {args.dataset}: row {index} has no string field "
+                                     f"{args.text_field!r} (--text_field)")
+                yield index, text
+    except ValueError:
+        raise
+    except Exception as error:  # offline, no such data set or split: datasets' and the hub's own errors
+        first = (str(error).splitlines() or [""])[0][:150]
+        raise ValueError(f"--dataset {args.dataset}: could not be read ({type(error).__name__}: {first}); offline, "
+                         "download it first (hf download --repo-type dataset NAME --local-dir DIR) and give "
+                         "--dataset DIR") from None
 
 
 def documents(inputs: list[str], text_field: str, start: int = 0):
@@ -277,10 +309,11 @@ def prepare(args: argparse.Namespace) -> str:
     started = time.perf_counter()
     out, name = args.out_dir, os.path.basename(os.path.normpath(args.out_dir))
     inputs = files(args.inputs)
-    if not inputs:
+    if not inputs and not args.dataset:
         raise ValueError(f"{' '.join(args.inputs)}: no {', '.join(TEXT)} file in it")
     tokenizer = load_tokenizer(args.tokenizer, args.eot)
-    settings = {"inputs": [[os.path.abspath(p), os.path.getsize(p), os.stat(p).st_mtime_ns] for p in inputs],
+    settings = {"inputs": [[os.path.abspath(p), os.path.getsize(p), os.stat(p).st_mtime_ns] for p in inputs]
+                or [args.dataset, args.dataset_config, args.dataset_split],
                 "tokenizer": {k: v for k, v in tokenizer.items() if k != "json"}, "text_field": args.text_field,
                 "val_tokens": args.val_tokens, "shard_tokens": args.shard_tokens}
     if "json" in tokenizer:  # its file's text, not only its path
@@ -331,7 +364,8 @@ def prepare(args: argparse.Namespace) -> str:
 
     done, bar = begin, progress_bar()
     try:
-        for index, ids in tokenized(documents(inputs, args.text_field, begin), args.workers, tokenizer):
+        work = streamed(args, begin) if args.dataset else documents(inputs, args.text_field, begin)
+        for index, ids in tokenized(work, args.workers, tokenizer):
             bar.update(len(ids))
             at = skip if index == begin else 0
             while at < len(ids):
@@ -352,8 +386,8 @@ def prepare(args: argparse.Namespace) -> str:
     if len(record["shards"]) < 2:  # no train shard
         count = sum(s["tokens"] for s in record["shards"])
         undo()
-        raise ValueError(f"{' '.join(args.inputs)}: {count:,} tokens in all, none left to train on after "
-                         f"--val_tokens {args.val_tokens:,}: {'give fewer' if count else 'no text in it'}")
+        raise ValueError(f"{' '.join(args.inputs) or args.dataset}: {count:,} tokens in all, none left to train "
+                         f"on after --val_tokens {args.val_tokens:,}: {'give fewer' if count else 'no text in it'}")
     record["done"] = True
     _save(record, os.path.join(out, RECORD))
     seconds = time.perf_counter() - started
@@ -399,7 +433,8 @@ def bench(args: argparse.Namespace) -> None:
     import tempfile
 
     tokenizer = load_tokenizer(args.tokenizer, args.eot)
-    encode, texts = codec(tokenizer)[0], [text for _, text in documents(args.inputs, args.text_field)]
+    rows = streamed(args) if args.dataset else documents(args.inputs, args.text_field)
+    encode, texts = codec(tokenizer)[0], [text for _, text in rows]
     started = time.perf_counter()
     count = sum(len(encode(text)) + 1 for text in texts)
     rates = {"the tokenizer alone, 1 thread": count / (time.perf_counter() - started)}

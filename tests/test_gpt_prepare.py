@@ -188,6 +188,29 @@ def test_a_tiktoken_encoding_is_written_as_a_tokenizer_json_that_gives_its_ids(c
     assert decode([*encode("naïve"), 290, 320, *encode(" café")]) == "naïve\ufffd\ufffd café"
 
 
+def test_a_data_set_streams_the_same_shards_as_its_files(corpus, tmp_path, monkeypatch):
+    """--dataset DIR (a folder of a data set's files, as `hf download --repo-type dataset` leaves it; a hub name
+    goes through the same datasets.load_dataset, streamed): the same bytes as the .jsonl given as INPUT. Offline,
+    a hub name is one line that says how to download it, and nothing is left."""
+    import datasets.config
+    import huggingface_hub.constants
+    (tmp_path / "set").mkdir()
+    (tmp_path / "set" / "train.jsonl").write_bytes(open(corpus[0][1], "rb").read())
+    for argv, out in ((["--dataset", str(tmp_path / "set")], tmp_path / "a" / "x"),
+                      ([corpus[0][1]], tmp_path / "b" / "x")):
+        code, _, stderr = run_main(prepare, *argv, "--tokenizer", "test_bytes", "--out_dir", str(out),
+                                   "--val_tokens", "1000", "--shard_tokens", "3000", "--workers", "1")
+        assert code == 0, stderr
+    assert shards(tmp_path / "a" / "x") == shards(tmp_path / "b" / "x") and len(shards(tmp_path / "a" / "x")) > 2
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # both read it at their import
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    code, _, stderr = run_main(prepare, "--dataset", "someone/nothing", "--tokenizer", "test_bytes", "--out_dir",
+                               str(tmp_path / "c"))
+    assert code == 1 and stderr.startswith("error: --dataset someone/nothing: could not be read (") and \
+        stderr.endswith("offline, download it first (hf download --repo-type dataset NAME --local-dir DIR) and give "
+                        "--dataset DIR\n") and not (tmp_path / "c").exists(), stderr
+
+
 @pytest.mark.parametrize(("case", "error"), [
     ("offline tiktoken", "--tokenizer cl100k_base: tiktoken downloads its table on first use, which failed here: "
                          "run once where the network is reachable, or give a tokenizer.json"),
