@@ -35,6 +35,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context
 
 import numpy as np
@@ -51,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("inputs", nargs="*", metavar="INPUT", help="text files, folders, .jsonl files")
     p.add_argument("--dataset", help="a Hugging Face data set (a hub name, or a folder of its files), in place of "
-                   "INPUT: its --dataset_split's --text_field, streamed in order (pip install datasets)")
+                   "INPUT: its --dataset_split's --text_field, streamed in order (requirements-hf.txt)")
     p.add_argument("--dataset_config", help="the data set's configuration (a subset), if it has several")
     p.add_argument("--dataset_split", default="train", help="its split (default: train)")
     p.add_argument("--tokenizer", required=True, help="a tiktoken encoding's name, or a tokenizer.json (file or hub)")
@@ -273,7 +274,7 @@ def batches(work, size: int = 1 << 20):
 
 def tokenized(work, workers: int, tokenizer: dict):
     """(index, ids) of each document, in order: tokenized here (one worker), or by `workers` processes with a
-    few batches each in flight, so that memory stays bounded. A worker that dies ends it with BrokenProcessPool."""
+    few batches each in flight, so that memory stays bounded. A worker that dies ends it (BrokenProcessPool)."""
     work = batches(work)
     if workers == 1:
         _start_worker(tokenizer)
@@ -471,6 +472,9 @@ def main() -> None:
         print(f"interrupted: {args.out_dir}'s whole shards are kept, and the same command finishes it",
               file=sys.stderr)
         sys.exit(130)
+    except BrokenProcessPool:  # a worker killed (the out-of-memory killer: a document too large, many workers)
+        sys.exit(f"error: a tokenizing worker died (out of memory? fewer --workers): {args.out_dir}'s whole shards "
+                 "are kept, and the same command finishes it")
 
 
 if __name__ == "__main__":
