@@ -203,9 +203,12 @@ def tokenizer_files(tokenizer: dict | None, dest: str, positions: int) -> str:
     reads. What is written, said."""
     if tokenizer is None:
         return ""
-    text = tokenizer["json"] if tokenizer["kind"] == "tokenizers" else from_tiktoken(tokenizer["name"])
-    import tokenizers
+    try:
+        import tokenizers
 
+        text = tokenizer["json"] if tokenizer["kind"] == "tokenizers" else from_tiktoken(tokenizer["name"])
+    except ImportError as error:  # one line, as the other extras say it
+        raise ValueError(f"its tokenizer needs {error.name}: pip install -r requirements-hf.txt") from None
     eot = tokenizers.Tokenizer.from_str(text).id_to_token(tokenizer["eot"])
     with open(os.path.join(dest, "tokenizer.json"), "w", encoding="utf-8") as file:
         file.write(text)

@@ -321,9 +321,10 @@ def train_step(model: torch.nn.Module | pipeline.Pipeline, optimizer: torch.opti
     return grad_norm
 
 
-def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> torch.nn.Module | int:
-    """The trained model, or the number of the signal that stopped the run before --max_steps (it
-    is saved)."""
+def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.device
+          ) -> tuple[torch.nn.Module | int, dict | None]:
+    """(The trained model, or the number of the signal that stopped the run before --max_steps (it
+    is saved); gpt/prepare.py's record of the tokenizer that made --data's ids, or None)."""
     # Refused before OUT_DIR is made: what any rank finds is the job's error (checks.agree). Then OUT_DIR, its
     # lock, and only then the data read in full: a job refused for a held lock reads none.
     tokens, config = checks.arguments_and_data(args, world_size)
@@ -336,7 +337,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
             checks.agree(str(error) if rank == 0 else None)
             raise
         checks.token_ids(args, tokens, rank, world_size, device)
-        return train_steps(args, config, tokens, checkpoints, no_lock, rank, world_size, device)
+        return train_steps(args, config, tokens, checkpoints, no_lock, rank, world_size, device), tokens.tokenizer
     finally:
         checkpoints.close()  # the save in flight finishes first
 
@@ -544,11 +545,11 @@ def train_and_export(args: argparse.Namespace, rank: int, world_size: int, devic
     """0, or 128 + the signal that stopped the run: not done, so no launcher or scheduler takes it
     for a success. The model is a local here, freed on return: a DDP wrapper still alive at
     destroy_process_group() keeps gloo's threads running (docs/pitfalls.md)."""
-    model = train(args, rank, world_size, device)
+    model, tokenizer = train(args, rank, world_size, device)
     if isinstance(model, int):
         return 128 + model
     if args.export:  # with the record of the tokenizer that made --data's shards, where prepare.py made them
-        export_model(model, args.export, rank, data.tokenizer_of(args.data) if os.path.isdir(args.data) else None)
+        export_model(model, args.export, rank, tokenizer)
         if rank == 0:
             print(f"exported to {args.export}", flush=True)
     return 0
