@@ -33,6 +33,7 @@ among ranks and micro-steps. So what is trained does not depend on the world siz
 --grad_accum (only on their product with --batch_size), and a resume will need only the step.
 """
 import bisect
+import functools
 import hashlib
 import itertools
 import json
@@ -126,19 +127,29 @@ def markov_chain(vocab_size: int, concentration: float, seed: int) -> tuple[np.n
 
 
 def sample_chain(transitions: np.ndarray, length: int, rng: np.random.Generator) -> np.ndarray:
-    cumulative = [list(np.cumsum(row)) for row in transitions]
+    cumulative = [np.cumsum(row).tolist() for row in transitions]  # Python floats: bisect compares them fast
     last = len(transitions) - 1
-    token, out = int(rng.integers(len(transitions))), np.empty(length, dtype=np.uint16)
-    for i, u in enumerate(rng.random(length).tolist()):
-        token = min(bisect.bisect_right(cumulative[token], u), last)  # min: a cumsum that ends at 0.9999999
-        out[i] = token
-    return out
+    token, out = int(rng.integers(len(transitions))), []
+    for u in rng.random(length).tolist():
+        token = bisect.bisect_right(cumulative[token], u)
+        if token > last:  # a cumsum that ends at 0.9999999
+            token = last
+        out.append(token)
+    return np.array(out, dtype=np.uint16)
 
 
-def synthetic() -> Tokens:
+@functools.cache
+def synthetic_stream() -> tuple[np.ndarray, np.ndarray, float]:
+    """(train ids, val ids, entropy rate): the same in every run, so drawn once per process, read-only."""
     transitions, entropy = markov_chain(SYNTHETIC_VOCAB, SYNTHETIC_CONCENTRATION, SYNTHETIC_SEED)
     rng = np.random.default_rng(SYNTHETIC_SEED + 1)
     train, val = (sample_chain(transitions, n, rng) for n in SYNTHETIC_TOKENS)
+    train.flags.writeable = val.flags.writeable = False
+    return train, val, entropy
+
+
+def synthetic() -> Tokens:
+    train, val, entropy = synthetic_stream()
     return Tokens(train, val, SYNTHETIC_VOCAB, entropy, "synthetic", [])
 
 

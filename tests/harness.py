@@ -34,7 +34,9 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401, I001
 
 # deepspeed_zero: DeepSpeed's import (1.5 s of CPU, and DS_ACCELERATOR=cpu set before it), paid once per session.
-PRELOAD = ["torch", "torch.distributed.nn", "torch._dynamo", "torch.distributed", "workers", "deepspeed_zero"]
+# forkserver_warmup: last, what each worker would redo (gpt's synthetic tokens, gc.freeze); it says what.
+PRELOAD = ["torch", "torch.distributed.nn", "torch._dynamo", "torch.distributed", "workers", "deepspeed_zero",
+           "forkserver_warmup"]
 
 
 def _end_with(test_process: int) -> None:
@@ -161,8 +163,10 @@ def _main_worker(script: str, argv: list[str], env: dict[str, str], cwd: str, fo
     folder, name = os.path.split(script.removesuffix(".py"))
     if folder:  # gpt/train.py: as python runs it, its folder first on sys.path, and the root's
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / folder))
-        for sibling in Path(sys.path[0]).glob("*.py"):  # model.py and data.py, which the server
-            sys.modules.pop(sibling.stem, None)  # preloaded, forgotten for the folder's own
+        for sibling in Path(sys.path[0]).glob("*.py"):  # the root's model.py and data.py, which the server
+            sys.modules.pop(sibling.stem, None)  # preloaded, forgotten for the folder's own: the module
+            if f"{folder}.{sibling.stem}" in sys.modules:  # that the server imported from this very file
+                sys.modules[sibling.stem] = sys.modules[f"{folder}.{sibling.stem}"]  # (gpt.data) where it did
     module = importlib.import_module(name)
     os.chdir(cwd)
     sys.argv = [script, *argv]
