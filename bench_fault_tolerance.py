@@ -15,7 +15,7 @@ two, whose batches the other never saw), and torchft's survivor's longest wait b
 
     python bench_fault_tolerance.py
 
-Explained in docs/fault_tolerance.md.
+Explained in docs/fault_tolerance_cost.md.
 """
 import argparse
 import os

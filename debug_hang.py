@@ -1,7 +1,7 @@
 """Debugging a hang: singlenode_cpu.py with a barrier that only rank 0 calls, made to fail and say where.
 
-`diff singlenode_cpu.py debug_hang.py` is the lesson (docs/past_the_basics.md). The other ranks never reach
-rank 0's barrier and wait in their next all-reduce, silent for the group's timeout (gloo's default: 30 min).
+`diff singlenode_cpu.py debug_hang.py` is the lesson (docs/batchnorm_model_parallel_hangs.md). The other ranks
+never reach rank 0's barrier and wait in their next all-reduce, silent for the group's timeout (gloo's default: 30 min).
 
     torchrun --standalone --nproc-per-node 2 debug_hang.py --timeout 2
     torchrun --standalone --nproc-per-node 3 debug_hang.py --timeout 2 --monitored_barrier  # names the absent

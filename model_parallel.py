@@ -1,8 +1,8 @@
 """A model on two devices under DDP: model parallelism inside each process, data parallelism across them.
 
-`diff singlenode_cpu.py model_parallel.py` is the lesson (docs/past_the_basics.md). When a replica does not fit
-on one GPU, a process can hold it on two: the first layers on one, the rest on the other, its forward copying
-the activations across. DDP wraps such a module with no device_ids. Here both devices are the CPU, so this shows
+`diff singlenode_cpu.py model_parallel.py` is the lesson (docs/batchnorm_model_parallel_hangs.md). When a replica
+does not fit on one GPU, a process can hold it on two: the first layers on one, the rest on the other, its forward
+copying the activations across. DDP wraps such a module with no device_ids. Here both devices are the CPU, so this shows
 the API, not two devices at work; on GPUs, local rank r would take cuda:2r and cuda:2r+1, with nccl.
 
     torchrun --standalone --nproc-per-node 2 model_parallel.py

@@ -1,7 +1,8 @@
 """BatchNorm under DDP: each rank's own batch statistics, or the global batch's, and the running statistics.
 
-`diff singlenode_cpu.py sync_batchnorm.py` is the lesson (docs/past_the_basics.md): BatchNorm normalises with the
-statistics of the batch it sees, under DDP each rank's own; synchronised, of the global batch, as in one process.
+`diff singlenode_cpu.py sync_batchnorm.py` is the lesson (docs/batchnorm_model_parallel_hangs.md): BatchNorm
+normalises with the statistics of the batch it sees, under DDP each rank's own; synchronised, of the global batch, as
+in one process.
 
     torchrun --standalone --nproc-per-node 2 sync_batchnorm.py
     torchrun --standalone --nproc-per-node 2 sync_batchnorm.py --bn local
