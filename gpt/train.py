@@ -10,7 +10,7 @@ run is the same at any world size with the same global batch (--batch_size × --
 a tp group or a pipeline counting once),
 and the tests show it. Every --log_every steps rank 0 prints one line and appends it to
 OUT_DIR/metrics.jsonl; every --eval_every steps every rank evaluates its share of a fixed
-validation set. The whole story, and how to run it on 8 GPUs or several nodes: docs/gpt_job.md.
+validation set. The whole story: docs/gpt_job.md; on 8 GPUs or several nodes: docs/gpt_cluster.md.
 """
 import os
 

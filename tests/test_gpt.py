@@ -387,7 +387,8 @@ def test_a_nanogpt_folder_trains_exactly_as_the_same_tokens_from_a_text_file(tex
 def test_every_documented_gpt_command_passes_options_train_py_accepts():
     gpt_train = import_gpt()
     sbatch = (REPO / "gpt" / "train.sbatch").read_text().replace("\\\n", " ")
-    docs = "".join((REPO / "docs" / page).read_text() for page in ("gpt_job.md", "activation_checkpointing.md"))
+    pages = [*sorted((REPO / "docs").glob("gpt_*.md")), REPO / "docs" / "activation_checkpointing.md"]
+    docs = "".join(page.read_text() for page in pages)  # every page that quotes train.py
     docs += (REPO / "README.md").read_text() + sbatch
     lines = re.findall(r"(?:torchrun|python) [^`\n]*gpt/train\.py[^`\n]*", docs)
     commands = [line.split("gpt/train.py", 1)[1] for line in lines]
