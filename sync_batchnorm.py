@@ -1,8 +1,7 @@
 """BatchNorm under DDP: each rank's own batch statistics, or the global batch's, and the running statistics.
 
 `diff singlenode_cpu.py sync_batchnorm.py` is the lesson (docs/batchnorm_model_parallel_hangs.md): BatchNorm
-normalises with the statistics of the batch it sees, under DDP each rank's own; synchronised, of the global batch, as
-in one process.
+normalises with its batch's statistics: under DDP each rank's own; synchronised, the global batch's, as in one process.
 
     torchrun --standalone --nproc-per-node 2 sync_batchnorm.py
     torchrun --standalone --nproc-per-node 2 sync_batchnorm.py --bn local

@@ -203,3 +203,15 @@ def torchrun_in_process(nproc: int, script: str, *argv: str, cwd: Path | None = 
         outputs = [[_read(folder, f"{name}{rank}.txt") for rank in range(nproc)] for name in ("stdout", "stderr")]
     del store
     return Launch(codes, *outputs)
+
+
+def python_in_process(script: str, *argv: str, cwd: Path | None = None, timeout: float = 60) -> Launch:
+    """`python script argv` without a fresh interpreter (3.5 s of CPU importing torch): the script's main()
+    in one worker forked from the server, with no torchrun variables. For a script whose output is what
+    a test reads; one whose launch, exit or teardown is tested runs whole (tests/launch.py)."""
+    with tempfile.TemporaryDirectory() as folder:
+        def args(rank: int) -> tuple:
+            return script, list(argv), {}, str(cwd or folder), folder, rank, os.getpid()
+        codes = _start_and_join(_main_worker, 1, args, timeout)
+        outputs = [[_read(folder, f"{name}0.txt")] for name in ("stdout", "stderr")]
+    return Launch(codes, *outputs)

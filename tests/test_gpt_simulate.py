@@ -9,7 +9,7 @@ import math
 import sys
 
 import pytest
-from harness import torchrun_in_process
+from harness import python_in_process, torchrun_in_process
 from launch import REPO, run
 from test_gpt import import_gpt
 
@@ -25,8 +25,8 @@ LAYOUTS = {"fsdp 4": (4, ["--parallel", "fsdp"]), "tp 2": (2, ["--parallel", "fs
 
 @functools.cache
 def simulated(ranks: int, *argv: str) -> list[dict]:
-    result = run([sys.executable, SIMULATE, "--ranks", str(ranks), *argv, "--json"], timeout=180)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = python_in_process(SIMULATE, "--ranks", str(ranks), *argv, "--json", cwd=REPO, timeout=180)
+    assert result.codes == [0], result.stderr[-3000:]
     return json.loads(result.stdout)
 
 

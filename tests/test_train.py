@@ -223,7 +223,8 @@ def test_no_gloo_thread_outlives_destroy_process_group():
     and gloo's threads run on into interpreter shutdown. With the import first, the process is left with
     the threads it had before the group (within 5 s: one that is ending may still be listed under load)."""
     code = textwrap.dedent("""
-        import os
+        import faulthandler, os
+        faulthandler.dump_traceback_later(45, exit=True)  # a hang (seen twice in many runs) says where
         import singlenode_cpu
         import torch, torch.distributed as dist
         def threads(): return len(os.listdir("/proc/self/task"))
