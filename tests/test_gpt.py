@@ -15,6 +15,7 @@ import os
 import re
 import shlex
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -659,19 +660,34 @@ def test_bench_prints_a_tp_degree_beside_what_a_rank_holds_and_sends(bench_main)
     assert float(rows[0][1]) == round(4 * params / 2**20, 2) and float(rows[0][2]) > 0
 
 
-def test_bench_prints_each_schedules_wait_beside_its_formula_and_the_micro_batches_each_stage_held(tmp_path):
+def test_bench_prints_each_schedules_wait_beside_its_formula_and_the_micro_batches_each_stage_held(tmp_path,
+                                                                                                      monkeypatch):
     """--pp 1F1B ZBVZeroBubble at 2 ranks, 4 micro-batches: each rank's measured share of a step spent waiting
     (a share: the time is the benchmark's to print, not a test's), the formula ((p - 1) / (m + p - 1) for 1F1B,
     0 for ZB-V), and the most micro-batches each stage held, which the schedules' orders decide: 1F1B p - s on
     stage s, ZB-V 2p - s (stage s of 2p, each backward ending with the weights'). Then plot.py --pipeline draws
     their timelines, one bar per stage's piece of work."""
-    result = run([sys.executable, str(REPO / "gpt" / "bench.py"), "--world_sizes", "2", "--repeats", "1", "--pp",
-                  "1F1B", "ZBVZeroBubble", "--timelines", str(tmp_path), "--", "--max_steps", "4",
-                  "--log_every", "2", "--grad_accum", "4", "--batch_size", "2"], timeout=180)
-    assert result.returncode == 0, result.stderr
+    bench = import_gpt("bench")
+
+    real = subprocess.run
+
+    def in_process(command, **kwargs):  # bench's torchrun of train.py, its ranks forked from the tests' server
+        if not any(str(word).endswith("train.py") for word in command):
+            return real(command, **kwargs)
+        nproc = int(command[command.index("--nproc-per-node") + 1])
+        script = next(i for i, word in enumerate(command) if word.endswith("train.py"))
+        result = torchrun_in_process(nproc, TRAIN, *command[script + 1:], cwd=REPO, timeout=120,
+                                     env={"OMP_NUM_THREADS": kwargs["env"]["OMP_NUM_THREADS"]})
+        return subprocess.CompletedProcess(command, max(code or 0 for code in result.codes), result.stdout,
+                                           result.stderr)
+    monkeypatch.setattr(bench.subprocess, "run", in_process)
+    code, stdout, stderr = run_main(bench, "--world_sizes", "2", "--repeats", "1", "--pp", "1F1B", "ZBVZeroBubble",
+                                    "--timelines", str(tmp_path), "--", "--max_steps", "4", "--log_every", "2",
+                                    "--grad_accum", "4", "--batch_size", "2")
+    assert code == 0, stderr
     rows = {name: (waits, formula, held) for name, waits, formula, held in re.findall(
-        r"^ +(\w+) +[\d,]+ +(\d+% \d+%) +(\d+)%  ((?:\d+:\d+ ?)+)$", result.stdout, re.MULTILINE)}
-    assert sorted(rows) == ["1F1B", "ZBVZeroBubble"], result.stdout
+        r"^ +(\w+) +[\d,]+ +(\d+% \d+%) +(\d+)%  ((?:\d+:\d+ ?)+)$", stdout, re.MULTILINE)}
+    assert sorted(rows) == ["1F1B", "ZBVZeroBubble"], stdout
     for name, (waits, formula, held) in rows.items():
         assert all(0 <= int(w[:-1]) < 100 for w in waits.split())
         assert int(formula) == {"1F1B": 20, "ZBVZeroBubble": 0}[name]  # 1 / (4 + 1)
