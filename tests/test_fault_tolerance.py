@@ -74,7 +74,7 @@ def test_without_restarts_a_dead_worker_ends_the_job_at_once_and_keeps_the_check
     result = run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "singlenode_cpu.py", *ARGV,
                   "--checkpoint", str(checkpoint)], env={**INJECT, "KILL_RANK": "1", "KILL_AT": "step:25"}, timeout=60)
     assert result.returncode != 0
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 55  # 30 minutes the default timeout; the whole run took 15-34 s on 2 cores
     assert "Signal 9 (SIGKILL) received by PID" in result.stderr
     assert torch.load(checkpoint, weights_only=True)["epoch"] == 1  # epoch 0's checkpoint survives
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 from harness import python_in_process, torchrun_in_process
-from launch import REPO, run
+from launch import REPO
 from test_gpt import import_gpt
 
 sys.path.insert(0, str(REPO))
@@ -212,8 +212,8 @@ def test_a_pipeline_at_1024_ranks_is_simulated_and_equals_the_formulas():
     (["--ranks", "1024", "--model", "gpt2", "--tp", "8"], "error: --tp 8 does not divide the model's n_head, 12"),
     (["--ranks", "2", "--parallel", "ddp"], "ddp holds the whole model on every rank")])
 def test_a_layout_that_cannot_be_built_is_one_line(argv, error):
-    result = run([sys.executable, SIMULATE, *argv], timeout=60)
-    assert result.returncode != 0 and error in result.stderr, result.stderr
+    result = python_in_process(SIMULATE, *argv, cwd=REPO, timeout=60)  # a traceback shows there as in a shell
+    assert result.codes[0] != 0 and error in result.stderr, result.stderr
     said = [line for line in result.stderr.splitlines() if not line.startswith(("usage:", " "))]
     assert len(said) == 1 and "Traceback" not in result.stderr, result.stderr
 
