@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness import python_in_process, torchrun_in_process
+from harness import torchrun_in_process
 from launch import REPO, run
 from once import once
 
@@ -160,10 +160,9 @@ def run_command(line: str, cwd: Path) -> Output:
     """Run one documented command in `cwd`; return its exit codes and output.
 
     A launch runs in this process's harness (tests/harness.torchrun_in_process): each rank's
-    main() in a forked worker, with torchrun's variables; `python script` likewise, in one worker without
-    them (harness.python_in_process). Run whole, as a user would: torchrun with more options than these
-    (--max-restarts), and either with variables set (TORCH_DISTRIBUTED_DEBUG and PYTHONPATH act at
-    start-up). Anything else is a shell command (ls, dd)."""
+    main() in a forked worker, with torchrun's variables. Two kinds run whole, as a user would:
+    torchrun with more options than these (--max-restarts) or with TORCH_DISTRIBUTED_DEBUG or
+    PYTHONPATH set (read at start-up), and `python script`. Anything else is a shell command (ls, dd)."""
     words = shlex.split(line)
     env = {}
     while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):
@@ -178,10 +177,6 @@ def run_command(line: str, cwd: Path) -> Output:
         nproc, (script, *args) = launch
         result = torchrun_in_process(nproc, script, *args, cwd=cwd, env=env, timeout=120)
         streams = [stream.splitlines() for pair in zip(result.stdouts, result.stderrs, strict=True) for stream in pair]
-        return Output(tuple(result.codes), tuple(map(tuple, streams)), cwd)
-    if words[0] == "python" and words[1].endswith(".py") and not env:  # main() in a worker forked from the server
-        result = python_in_process(words[1], *words[2:], cwd=cwd, timeout=150)
-        streams = by_rank(result.stdout) + by_rank(result.stderr)
         return Output(tuple(result.codes), tuple(map(tuple, streams)), cwd)
     if words[0] in ("torchrun", "python"):
         script = next(w for w in words if w.endswith(".py"))

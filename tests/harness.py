@@ -34,9 +34,12 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401, I001
 
 # deepspeed_zero: DeepSpeed's import (1.5 s of CPU, and DS_ACCELERATOR=cpu set before it), paid once per session.
-# forkserver_warmup: last, what each worker would redo (gpt's synthetic tokens, gc.freeze); it says what.
-PRELOAD = ["torch", "torch.distributed.nn", "torch._dynamo", "torch.distributed", "workers", "deepspeed_zero",
-           "forkserver_warmup"]
+# The server starts with sys.path [''] (Python 3.11 passes the test process's path to the workers only), in the
+# repository's root, where pytest runs: tests.forkserver_warmup first adds tests/ and the root to it and preloads
+# what each worker would redo (gpt's synthetic tokens, gc.freeze); it says what. A preload that fails to import
+# is skipped in silence: tests/test_gpt.py checks that a worker sees the warmup.
+PRELOAD = ["torch", "torch.distributed.nn", "torch._dynamo", "torch.distributed", "deepspeed_zero",
+           "tests.forkserver_warmup"]
 
 
 def _end_with(test_process: int) -> None:

@@ -60,3 +60,11 @@ def failure(run: Callable[[], object], module: object, name: str, replacement: o
         except SystemExit as exc:
             return str(exc)
     return None
+
+
+def warmed_up(rank: int, world_size: int) -> dict:
+    """What this worker inherited from the fork server's warmup (tests/forkserver_warmup.py)."""
+    import gc
+    gpt_data = sys.modules.get("gpt.data")
+    return {"frozen": gc.get_freeze_count(), "deepspeed": "deepspeed" in sys.modules,
+            "synthetic drawn": gpt_data is not None and gpt_data.synthetic_stream.cache_info().currsize == 1}
