@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
+@torch.no_grad()  # to_local() with grad enabled is an autograd Function's call, per gradient
 def grad_norm(grads: list[torch.Tensor], sharded: bool, device: torch.device,
               across: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The 2-norm of the whole gradient. DDP: every rank holds all of it, the same. Sharded (DTensors on one
@@ -36,6 +37,7 @@ def grad_norm(grads: list[torch.Tensor], sharded: bool, device: torch.device,
     return total.sqrt()
 
 
+@torch.no_grad()
 def clip(grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
     """Every gradient times min(1, max_norm / norm), as clip_grads_with_norm_ does, on the local tensors."""
     if max_norm > 0 and grads:

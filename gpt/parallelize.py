@@ -127,19 +127,24 @@ def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespac
         # DDP broadcasts rank 0's weights at construction; every rank drew the same ones anyway.
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     parts, ids = pipeline.stages(model, mesh, args) if "pp" in mesh.mesh_dim_names else ([model], [])
-    policy = MixedPrecisionPolicy(param_dtype=DTYPES[args.precision], reduce_dtype=torch.float32)  # grads in fp32
+    # Gradients reduced in fp32. In fp32, no param_dtype: FSDP would cast every forward's inputs to what they are.
+    policy = MixedPrecisionPolicy(param_dtype=None if args.precision == "fp32" else DTYPES[args.precision],
+                                  reduce_dtype=torch.float32)
     dp_mesh = mesh[tuple(name for name in mesh.mesh_dim_names if name not in ("pp", "tp"))]
     for part in parts:
         if "tp" in mesh.mesh_dim_names:
             tensor_parallel(part, mesh["tp"])  # FSDP then shards each tp shard again, over the data-parallel ranks
-        # One all-gather per block, freed after use; under the schedules that split each backward in two (torch
-        # 2.13), the last stage's blocks so sharded lose their weights' gradients (None, measured): one per stage.
-        # Under --pp, kept gathered from the first micro-batch's forward to the step's end (torchtitan's default
-        # there): freed after each forward, a block is gathered again for every micro-batch (m + 1 a step, not 1).
-        keep = {"reshard_after_forward": False} if ids else {}  # else torch's default: True (the root's, False)
-        for block in blocks(part) if args.pp_schedule not in pipeline.SPLIT_BACKWARD or args.pp == 1 else []:
-            fully_shard(block, mesh=dp_mesh, mp_policy=policy, **keep)
-        fully_shard(part, mesh=dp_mesh, mp_policy=policy, **keep)  # the rest: embeddings, final norm, tied head
+        # One all-gather per block, freed after its forward and gathered again for its backward; under the
+        # schedules that split each backward in two (torch 2.13), the last stage's blocks so sharded lose their
+        # weights' gradients (None, measured): one per stage. The last block is kept gathered after its forward
+        # (torchtitan's default): its backward comes next, after the head's. Under --pp every block is kept
+        # gathered from the first micro-batch's forward to the step's end (torchtitan's default there): freed
+        # after each forward, a block is gathered again for every micro-batch (m + 1 a step, not 1).
+        units = blocks(part) if args.pp_schedule not in pipeline.SPLIT_BACKWARD or args.pp == 1 else []
+        for i, block in enumerate(units):
+            fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=not ids and i < len(units) - 1)
+        # the rest: embeddings, final norm, tied head (the root: FSDP keeps it gathered after its forward anyway)
+        fully_shard(part, mesh=dp_mesh, mp_policy=policy, **({"reshard_after_forward": False} if ids else {}))
         part.to_empty(device=device)
     if init:
         generator = torch.Generator().manual_seed(args.seed)

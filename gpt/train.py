@@ -104,7 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "a checkpoint in OUT_DIR comes first)")
     p.add_argument("--log_every", type=int, default=10, help="steps per log line (1: every step)")
     p.add_argument("--eval_every", type=int, default=100, help="steps between evaluations (and at the end)")
-    p.add_argument("--val_tokens", type=int, default=32768, help="tokens in the validation set")
+    p.add_argument("--val_tokens", type=int, default=32768, help="tokens evaluated, at most what the val split "
+                                                                  "holds (default 32768)")
     p.add_argument("--out_dir", default="out", help="metrics.jsonl and checkpoints; a run resumes from the "
                                                     "newest checkpoint here")
     p.add_argument("--save_every", type=int, default=100, help="steps between checkpoints in OUT_DIR (0: only at "
@@ -380,6 +381,9 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
                   "cross them", flush=True)
         for line in [no_lock] if no_lock else []:
             print(line, flush=True)
+        if len(val_starts) < max(1, args.val_tokens // args.seq_len):  # val_starts takes what the val split holds
+            print(f"validation: {len(val_starts) * args.seq_len:,} tokens, all the val split holds in windows of "
+                  f"--seq_len (--val_tokens {args.val_tokens:,} asks more)", flush=True)
         if device.type == "cuda" and peak is None:
             print(f"no mfu: the peak of {torch.cuda.get_device_name(device)} is not known; give --peak_tflops",
                   flush=True)

@@ -116,6 +116,18 @@ def test_uint32_shards_hold_ids_past_65535(tmp_path):
 GOOD = np.arange(3000) % 256
 
 
+def test_val_tokens_past_the_val_split_evaluates_the_split_and_says_so(tmp_path):
+    """--val_tokens is the tokens evaluated (prepare.py's is the val shard's size): asked for more than the val
+    split holds, train.py evaluates the split's whole windows and says so, once, at the start."""
+    GOOD.astype(np.uint16).tofile(tmp_path / "train.bin")
+    GOOD[:100].astype(np.uint16).tofile(tmp_path / "val.bin")  # (100 - 1) // 32: 3 windows
+    records, _, stdout = train(1, "--data", str(tmp_path), "--vocab_size", "256", "--max_steps", "2", "--seq_len",
+                               "32", "--val_tokens", "1024", "--eval_every", "2")
+    assert stdout.count("validation: 96 tokens, all the val split holds in windows of --seq_len (--val_tokens 1,024 "
+                        "asks more)\n") == 1, stdout
+    assert records[-1]["step"] == 2 and "val_loss" in records[-1]
+
+
 # What each damage to the middle one of three train shards is refused with, after "error: --data FILE: ".
 DAMAGED = {
     "bad magic": "no llm.c header (magic 20240520 or 20240801) where {folder}/x_train_000.bin has one: a folder's "

@@ -138,14 +138,14 @@ def shapes(config: GPTConfig) -> dict[str, int]:
 
 def plan(config: GPTConfig, batch: int, mesh: dict[str, int]) -> tuple[int, dict]:
     """(bytes of rank 0's parameters, {dimension: {collective: [count, bytes]}}) in fp32, from the shapes: FSDP
-    gathers each block in the forward and again in the backward (freed between), the root (embeddings, final
-    norm, tied head) once; it reduce-scatters each group's gradients once, and HSDP all-reduces each group's
-    shard across the replicas. Tensor parallel with sequence parallel: per block, an all-gather before attention
-    and the MLP and a reduce-scatter after each (b × s × h), and the reverse in the backward; wte's and wpe's
-    outputs reduce-scattered, the head's input gathered (and the reverse in the backward); the norms' gradients,
-    summed over the sequence's shards, all-reduced (4 a block, 2 for ln_f); the loss on the vocabulary's shards,
-    3 all-reduces of b × s (the max, the sum of exponentials, the target's logit). Clipping: the norm of each
-    parameter, all-reduced once over each dimension that splits parameters."""
+    gathers each block in the forward and again in the backward (freed between) but the last (kept for its backward,
+    which comes next), the root (embeddings, final norm, tied head) once; it reduce-scatters each group's gradients
+    once, and HSDP all-reduces each group's shard across the replicas. Tensor parallel with sequence parallel: per
+    block, an all-gather before attention and the MLP and a reduce-scatter after each (b × s × h), and the reverse
+    in the backward; wte's and wpe's outputs reduce-scattered, the head's input gathered (and the reverse in the
+    backward); the norms' gradients, summed over the sequence's shards, all-reduced (4 a block, 2 for ln_f); the
+    loss on the vocabulary's shards, 3 all-reduces of b × s (the max, the sum of exponentials, the target's logit).
+    Clipping: the norm of each parameter, all-reduced once over each dimension that splits parameters."""
     L, h, s = config.n_layer, config.n_embd, config.seq_len
     tp, shard = mesh.get("tp", 1), mesh.get("shard", 1)
     local = {name: n // (tp if split_by_tp(name) else 1) for name, n in shapes(config).items()}  # one tp rank's
@@ -154,7 +154,7 @@ def plan(config: GPTConfig, batch: int, mesh: dict[str, int]) -> tuple[int, dict
     per_rank = 4 * sum(local.values()) // shard
     sent = {}
     if shard > 1:  # a shard group of one rank (tp alone) sends nothing
-        sent["shard"] = {"all-gather": [2 * L + 1, 4 * (2 * L * block + root)],
+        sent["shard"] = {"all-gather": [2 * L, 4 * ((2 * L - 1) * block + root)],
                          "reduce-scatter": [L + 1, 4 * (L * block + root)], "all-reduce": [1, 4 * len(local)]}
     if "replicate" in mesh:
         sent["replicate"] = {"all-reduce": [L + 1, per_rank]}
