@@ -1,5 +1,5 @@
 """Tokens per second of train.py at several world sizes on one machine, and the scaling efficiency; or instead
-what saving, the stop agreement, tp, pp or (--host) a step's host work costs.
+what saving, the stop agreement, tp, pp or (--host) a step's host work costs; or (--layouts) layouts side by side.
 
     python gpt/bench.py                                  # 1, 2 and 4 ranks of the tiny model on CPUs
     python gpt/bench.py --world_sizes 1 8 -- --model gpt2 --data DIR --seq_len 1024 --precision bf16
@@ -9,6 +9,7 @@ what saving, the stop agreement, tp, pp or (--host) a step's host work costs.
     python gpt/bench.py --world_sizes 4 --tp 1 2 4          # fsdp 4, fsdp 2 × tp 2, tp 4: tokens/s and bytes
     python gpt/bench.py --world_sizes 2 --pp GPipe 1F1B ZBVZeroBubble -- --grad_accum 8  # the bubble, measured
     python gpt/bench.py --host                           # what a step costs the host, per layout
+    python gpt/bench.py --world_sizes 1 --layouts ddp fsdp --repeats 6  # fsdp's tokens/s over ddp's, at 1 rank
 
 Each world size runs train.py under torchrun `--repeats` times with the same per-rank batch (weak
 scaling), in a temporary --out_dir, and reads tokens_per_s from its metrics.jsonl, leaving out the
@@ -205,6 +206,24 @@ def host_cost(train_args: list[str], repeats: int, cores: int) -> None:
                       f"{max(times[name]):>7.2f}", flush=True)
 
 
+def compare_layouts(world_size: int, names: list[str], train_args: list[str], repeats: int, cores: int) -> None:
+    """--layouts: each --parallel layout's tokens/s at `world_size` ranks, their runs interleaved (a drift in the
+    machine's speed touches each alike), and its ratio to the first layout's in the same round of runs: the
+    median of the rounds' ratios, with min and max."""
+    threads = 1 if torch.cuda.is_available() else max(1, cores // world_size)
+    speeds = {name: [] for name in names}
+    for _ in range(repeats):
+        for name in names:
+            speeds[name].append(statistics.median(run(world_size, [*train_args, "--parallel", name], threads)))
+    print(f"{'layout':>8} {'tokens/s (median)':>18} {'min':>10} {'max':>10}  {'÷ ' + names[0]:>8} "
+          "(min to max, per round)")
+    for name in names:
+        ratios = sorted(s / b for s, b in zip(speeds[name], speeds[names[0]], strict=True))
+        print(f"{name:>8} {statistics.median(speeds[name]):>18,.0f} {min(speeds[name]):>10,.0f} "
+              f"{max(speeds[name]):>10,.0f}  {statistics.median(ratios):>8.2f} ({ratios[0]:.2f} to {ratios[-1]:.2f})",
+              flush=True)
+
+
 def cost(with_it: list[float], without: list[float], alone: float) -> str:
     """The median extra time per step, in us and as a share of a step alone, [min, max]."""
     extra = sorted(1e6 * (t - a) for t, a in zip(with_it, without, strict=True))
@@ -240,6 +259,9 @@ def main() -> None:
                         "rank, fsdp 1 × tp 2 and\nfsdp 1 × pp 2 at 2, on a model too small to compute anything "
                         "(tiny, one sequence\nof 8 tokens); --world_sizes is not used. Each row prints when its "
                         "last run ends;\nabout 20 s a run on 2 idle cores")
+    parser.add_argument("--layouts", nargs="+", choices=["ddp", "fsdp", "hsdp"], help="instead: these --parallel "
+                        "layouts at the first of --world_sizes, their\nruns interleaved, and each one's tokens/s "
+                        "over the first's")
     parser.add_argument("--timelines", help="with --pp: keep each schedule's pp_timeline.json in this folder")
     parser.add_argument("--stop_worker", type=int, help=argparse.SUPPRESS)  # stop_agreement's ranks, under torchrun
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: train.py's own arguments")
@@ -261,6 +283,10 @@ def main() -> None:
     if args.host:
         print(f"train.py {' '.join(DEFAULTS + HOST_SHAPE + train_args)}, each layout interleaved, {args.repeats} runs")
         return host_cost(train_args, args.repeats, cores)
+    if args.layouts:
+        print(f"train.py {' '.join(DEFAULTS + train_args)} --parallel LAYOUT on {args.world_sizes[0]} "
+              f"rank{'s' if args.world_sizes[0] > 1 else ''}, each layout interleaved, {args.repeats} runs")
+        return compare_layouts(args.world_sizes[0], args.layouts, train_args, args.repeats, cores)
     if args.pp:
         print(f"train.py {' '.join(DEFAULTS + train_args)} on {args.world_sizes[-1]} ranks: --model mini and "
               "--grad_accum 8 unless given, --parallel fsdp --pp N (one pipeline)")

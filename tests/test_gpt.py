@@ -596,8 +596,8 @@ def test_the_slurm_script_is_valid_bash():
 def bench_main(monkeypatch, capsys):
     """gpt/bench.py's main() in this process, its train.py runs canned: each writes OUT_DIR/metrics.jsonl with a
     record every --log_every steps to --max_steps (past the last step that OUT_DIR's file holds: a resume) at the
-    tokens/s speed(ranks, save_every, resumed) gives; what else it runs (simulate.py) runs. Returns a function of
-    (argv, speed) that gives (stdout, the train.py commands run)."""
+    tokens/s speed(ranks, save_every, resumed, --parallel) gives; what else it runs (simulate.py) runs. Returns a
+    function of (argv, speed) that gives (stdout, the train.py commands run)."""
     bench = import_gpt("bench")
     real = bench.subprocess.run
 
@@ -612,7 +612,9 @@ def bench_main(monkeypatch, capsys):
                 return int(command[len(command) - command[::-1].index(flag)])
             path = os.path.join(command[command.index("--out_dir") + 1], "metrics.jsonl")
             done = [json.loads(line)["step"] for line in open(path)] if os.path.exists(path) else []
-            tokens_per_s = speed(int(command[command.index("--nproc-per-node") + 1]), last("--save_every"), bool(done))
+            layout = command[len(command) - command[::-1].index("--parallel")] if "--parallel" in command else "ddp"
+            tokens_per_s = speed(int(command[command.index("--nproc-per-node") + 1]), last("--save_every"), bool(done),
+                                 layout)
             with open(path, "a") as file:
                 file.writelines(json.dumps({"step": step, "tokens_per_s": tokens_per_s}) + "\n" for step in
                                 range(max(done, default=0) + last("--log_every"), last("--max_steps") + 1,
@@ -628,7 +630,8 @@ def bench_main(monkeypatch, capsys):
 
 def test_bench_prints_each_world_size_and_an_efficiency_recomputable_from_its_figures(bench_main):
     stdout, commands = bench_main(["--world_sizes", "1", "2", "--repeats", "1", "--", "--max_steps", "12",
-                                   "--log_every", "4"], lambda ranks, saves, resumed: 1000 * ranks - 200 * (ranks - 1))
+                                   "--log_every", "4"],
+                                  lambda ranks, saves, resumed, layout: 1000 * ranks - 200 * (ranks - 1))
     rows = [line.split() for line in stdout.splitlines() if re.match(r"\s+\d+\s+\d+\s+[\d,]+", line)]
     assert [row[0] for row in rows] == ["1", "2"]
     assert [row[2] for row in rows] == ["1,000", "1,800"] and [row[-1] for row in rows] == ["100%", "90%"]
@@ -637,13 +640,29 @@ def test_bench_prints_each_world_size_and_an_efficiency_recomputable_from_its_fi
     assert [c[c.index("--nproc-per-node") + 1] for c in commands] == ["1", "2"]
 
 
+def test_bench_compares_layouts_run_by_run(bench_main):
+    """--layouts ddp fsdp hsdp at 1 rank: their runs interleaved (ddp, fsdp, hsdp, ddp, ...), each layout's tokens/s
+    (the median of its runs) and its ratio to ddp's in each round of runs (the canned runs: fsdp at 0.6 of ddp in the
+    first round, 0.8 in the second, 0.7 in the third; hsdp at 0.5 throughout)."""
+    rounds = iter([1000, 600, 500, 2000, 1600, 1000, 1500, 1050, 750])
+    stdout, commands = bench_main(["--world_sizes", "1", "--layouts", "ddp", "fsdp", "hsdp", "--repeats", "3", "--",
+                                   "--max_steps", "8", "--log_every", "4"],
+                                  lambda ranks, saves, resumed, layout: next(rounds))
+    assert [c[c.index("--parallel") + 1] for c in commands] == ["ddp", "fsdp", "hsdp"] * 3
+    rows = re.findall(r"^ +(\w+) +([\d,]+) +([\d,]+) +([\d,]+) +([\d.]+) \(([\d.]+) to ([\d.]+)\)$", stdout,
+                      re.MULTILINE)
+    assert rows == [("ddp", "1,500", "1,000", "2,000", "1.00", "1.00", "1.00"),
+                    ("fsdp", "1,050", "600", "1,600", "0.70", "0.60", "0.80"),
+                    ("hsdp", "750", "500", "1,000", "0.50", "0.50", "0.50")], stdout
+
+
 def test_bench_prints_what_saving_costs_and_compares_a_resumed_run_with_a_fresh_one(bench_main):
     """Checkpoints every 4 steps against none, in runs beside each other; and a run resumed at its own
     --max_steps (12 here; 60 by default), then run to twice that in the same OUT_DIR, against the same steps of a
     fresh one (the canned runs: 10% slower with saves, 5% once resumed)."""
     stdout, commands = bench_main(["--world_sizes", "1", "--repeats", "1", "--resume", "--save_every", "4", "--",
                                    "--max_steps", "12", "--log_every", "4"],
-                                  lambda ranks, saves, resumed: 900 if saves else 950 if resumed else 1000)
+                                  lambda ranks, saves, resumed, layout: 900 if saves else 950 if resumed else 1000)
     assert "    saving every 4 steps: 900 tokens/s against 1,000 in the runs beside them, 10.0% slower (min 10.0%, " \
            "max 10.0%)" in stdout
     assert "    resumed at step 12: 950 tokens/s against 1,000 for the same steps of a fresh run" in stdout
@@ -659,7 +678,7 @@ def test_bench_prints_a_tp_degree_beside_what_a_rank_holds_and_sends(bench_main)
     twice the params for Adam)."""
     from test_gpt_simulate import plan
     stdout, commands = bench_main(["--world_sizes", "2", "--tp", "2", "--repeats", "1", "--", "--max_steps", "8",
-                                   "--log_every", "2", "--batch_size", "2"], lambda ranks, saves, resumed: 1234)
+                                   "--log_every", "2", "--batch_size", "2"], lambda ranks, saves, resumed, layout: 1234)
     rows = re.findall(r"^ +tp 2 +([\d,]+) +[\d,]+ +[\d,]+ +([\d.]+) MiB +([\d.]+) MiB$", stdout, re.MULTILINE)
     assert len(rows) == 1 and rows[0][0] == "1,234", stdout
     assert " ".join(commands[0]).endswith("--model mini --parallel fsdp --tp 2 --batch_size 4 --out_dir " +
