@@ -381,9 +381,9 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
                   "cross them", flush=True)
         for line in [no_lock] if no_lock else []:
             print(line, flush=True)
-        if len(val_starts) < max(1, args.val_tokens // args.seq_len):  # val_starts takes what the val split holds
-            print(f"validation: {len(val_starts) * args.seq_len:,} tokens, all the val split holds in windows of "
-                  f"--seq_len (--val_tokens {args.val_tokens:,} asks more)", flush=True)
+        if len(tokens.val) < args.val_tokens:  # val_starts takes what the val split holds
+            print(f"validation: {len(val_starts) * args.seq_len:,} tokens, what the val split's {len(tokens.val):,} "
+                  f"hold in windows of --seq_len (--val_tokens {args.val_tokens:,} asks more)", flush=True)
         if device.type == "cuda" and peak is None:
             print(f"no mfu: the peak of {torch.cuda.get_device_name(device)} is not known; give --peak_tflops",
                   flush=True)

@@ -33,11 +33,9 @@ import torch.distributed as dist
 # imports it), its defaults would hold the group into interpreter shutdown, where gloo can abort.
 import torch.distributed.nn  # noqa: F401, I001
 
-# deepspeed_zero: DeepSpeed's import (1.5 s of CPU, and DS_ACCELERATOR=cpu set before it), paid once per session.
-# The server starts with sys.path [''] (Python 3.11 passes the test process's path to the workers only), in the
-# repository's root, where pytest runs: tests.forkserver_warmup first adds tests/ and the root to it and preloads
-# what each worker would redo (gpt's synthetic tokens, gc.freeze); it says what. A preload that fails to import
-# is skipped in silence: tests/test_gpt.py checks that a worker sees the warmup.
+# deepspeed_zero: DeepSpeed's import (1.5 s of CPU, and DS_ACCELERATOR=cpu set before it), paid once per session;
+# tests.forkserver_warmup, last: what each worker would redo, then gc.freeze (its docstring says what). A preload
+# that fails to import is skipped in silence: tests/test_gpt.py checks that a worker sees the warmup.
 PRELOAD = ["torch", "torch.distributed.nn", "torch._dynamo", "torch.distributed", "deepspeed_zero",
            "tests.forkserver_warmup"]
 
@@ -168,8 +166,9 @@ def _main_worker(script: str, argv: list[str], env: dict[str, str], cwd: str, fo
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / folder))
         for sibling in Path(sys.path[0]).glob("*.py"):  # the root's model.py and data.py, which the server
             sys.modules.pop(sibling.stem, None)  # preloaded, forgotten for the folder's own: the module
-            if f"{folder}.{sibling.stem}" in sys.modules:  # that the server imported from this very file
-                sys.modules[sibling.stem] = sys.modules[f"{folder}.{sibling.stem}"]  # (gpt.data) where it did
+            held = sys.modules.get(f"{folder}.{sibling.stem}")  # the module the server imported from this very
+            if held is not None and Path(held.__file__).resolve() == sibling.resolve():  # file (gpt.data), if so
+                sys.modules[sibling.stem] = held
     module = importlib.import_module(name)
     os.chdir(cwd)
     sys.argv = [script, *argv]
