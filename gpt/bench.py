@@ -268,6 +268,10 @@ def main() -> None:
     args = parser.parse_args()
     if any(n < 1 for n in args.world_sizes) or args.repeats < 1 or (args.save_every or 1) < 1:
         parser.error("--world_sizes, --repeats and --save_every must be at least 1")
+    if args.layouts and (len(set(args.layouts)) < len(args.layouts) or args.host or args.tp or args.pp or
+                         args.stop_agreement or args.save_every or args.resume):
+        parser.error("--layouts names each layout once, and runs alone (not with --host, --tp, --pp, "
+                     "--stop_agreement, --save_every or --resume)")
     if args.pp and args.world_sizes[-1] < 2:
         parser.error("--pp runs one pipeline over the last of --world_sizes: it must be 2 or more")
     if args.stop_worker:

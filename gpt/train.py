@@ -381,7 +381,7 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
                   "cross them", flush=True)
         for line in [no_lock] if no_lock else []:
             print(line, flush=True)
-        if len(tokens.val) < args.val_tokens:  # val_starts takes what the val split holds
+        if len(val_starts) < max(1, args.val_tokens // args.seq_len) and len(tokens.val) < args.val_tokens:
             print(f"validation: {len(val_starts) * args.seq_len:,} tokens, what the val split's {len(tokens.val):,} "
                   f"hold in windows of --seq_len (--val_tokens {args.val_tokens:,} asks more)", flush=True)
         if device.type == "cuda" and peak is None:

@@ -654,6 +654,9 @@ def test_bench_compares_layouts_run_by_run(bench_main):
     assert rows == [("ddp", "1,500", "1,000", "2,000", "1.00", "1.00", "1.00"),
                     ("fsdp", "1,050", "600", "1,600", "0.70", "0.60", "0.80"),
                     ("hsdp", "750", "500", "1,000", "0.50", "0.50", "0.50")], stdout
+    for argv in (["--layouts", "ddp", "ddp"], ["--layouts", "ddp", "fsdp", "--host"]):  # refused before any run
+        with pytest.raises(SystemExit):
+            bench_main(argv, lambda ranks, saves, resumed, layout: 1000)
 
 
 def test_bench_prints_what_saving_costs_and_compares_a_resumed_run_with_a_fresh_one(bench_main):

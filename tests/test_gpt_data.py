@@ -126,6 +126,9 @@ def test_val_tokens_past_the_val_split_evaluates_the_split_and_says_so(tmp_path)
     assert stdout.count("validation: 96 tokens, what the val split's 100 hold in windows of --seq_len (--val_tokens "
                         "1,024 asks more)\n") == 1, stdout
     assert records[-1]["step"] == 2 and "val_loss" in records[-1]
+    _, _, stdout = train(1, "--data", str(tmp_path), "--vocab_size", "256", "--max_steps", "1", "--seq_len", "32",
+                         "--val_tokens", "101")  # 3 windows asked, as many as the split holds: nothing said
+    assert "validation:" not in stdout, stdout
 
 
 # What each damage to the middle one of three train shards is refused with, after "error: --data FILE: ".
