@@ -242,7 +242,8 @@ def machine() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world_sizes", type=int, nargs="+", default=[1, 2, 4], help="ranks per run")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per world size (--host: per layout)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs per world size (--host: per layout; --layouts: rounds)")
     parser.add_argument("--save_every", type=int, help="also run each world size with checkpoints this often, and "
                                                         "print what the saves cost")
     parser.add_argument("--resume", action="store_true", help="also compare a run resumed at its --max_steps (60) "
