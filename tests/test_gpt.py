@@ -655,8 +655,10 @@ def test_bench_compares_layouts_run_by_run(bench_main):
                     ("fsdp", "1,050", "600", "1,600", "0.70", "0.60", "0.80"),
                     ("hsdp", "750", "500", "1,000", "0.50", "0.50", "0.50")], stdout
     for argv in (["--layouts", "ddp", "ddp"], ["--layouts", "ddp", "fsdp", "--host"]):  # refused before any run
-        with pytest.raises(SystemExit):
-            bench_main(argv, lambda ranks, saves, resumed, layout: 1000)
+        code, stdout, stderr = run_main(import_gpt("bench"), *argv)
+        assert code == 2 and stdout == "" and stderr.strip().endswith(
+            "error: --layouts names each layout once, and runs alone (not with --host, --tp, --pp, --stop_agreement, "
+            "--save_every or --resume)"), stderr
 
 
 def test_bench_prints_what_saving_costs_and_compares_a_resumed_run_with_a_fresh_one(bench_main):
