@@ -13,10 +13,11 @@ import math
 import os
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor import parallel as tp
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -124,6 +125,8 @@ def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespac
             with torch.no_grad():
                 for (name, _), param in zip(order, model.parameters(), strict=True):
                     param.copy_(start[name])
+        if dist.get_world_size() == 1:  # the model alone, as nanoGPT runs one process: DDP's hooks there would
+            return model  # only copy each gradient into a bucket, all-reduce it over one rank, and copy it back
         # DDP broadcasts rank 0's weights at construction; every rank drew the same ones anyway.
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     parts, ids = pipeline.stages(model, mesh, args) if "pp" in mesh.mesh_dim_names else ([model], [])
@@ -298,10 +301,12 @@ def gradient_sync(model: torch.nn.Module, last_micro_step: bool):
     accumulation (no_sync), so once per optimizer step. FSDP: a reduce-scatter at every micro-step,
     so that each rank keeps only its shard of the gradients (without it, every rank would hold
     whole gradients until the last micro-step: the memory FSDP is there to save). HSDP: the same,
-    and the all-reduce across replica groups only at the last micro-step."""
+    and the all-reduce across replica groups only at the last micro-step. ddp at one rank: the model alone,
+    nothing to communicate."""
     if isinstance(model, DDP):
         return contextlib.nullcontext() if last_micro_step else model.no_sync()
-    model.set_requires_all_reduce(last_micro_step)  # only HSDP's mesh has a replicate dimension to reduce over
+    if isinstance(model, FSDPModule):
+        model.set_requires_all_reduce(last_micro_step)  # only HSDP's mesh has a replicate dimension to reduce over
     return contextlib.nullcontext()
 
 

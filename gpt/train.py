@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checks
@@ -72,7 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                                       "say theirs")
     p.add_argument("--vocab_size", type=int, help="token ids below this (default: 64 synthetic, 256 text, 50304 DIR)")
     p.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp"], default="ddp",
-                   help="ddp: a replica per rank; fsdp: every block sharded over all ranks;\n"
+                   help="ddp: a replica per rank (at one rank, the model alone: no DDP);\n"
+                        "fsdp: every block sharded over all ranks;\n"
                         "hsdp: sharded within groups of --shard_size ranks, replicated across them")
     p.add_argument("--shard_size", type=int, help="hsdp: data-parallel ranks per shard group, a tp group counting "
                                                     "once\n(default: a node's ranks / --tp)")
@@ -533,7 +535,7 @@ def export_model(model: torch.nn.Module | pipeline.Pipeline, path: str, rank: in
             export(path, model.parts[0].config, state, tokenizer)
         return
     gpt = model.module if isinstance(model, DDP) else model
-    if isinstance(model, DDP):
+    if not isinstance(gpt, FSDPModule):  # ddp (at one rank, the model alone): every rank holds all of it
         state = gpt.state_dict()
     else:
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

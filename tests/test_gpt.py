@@ -760,6 +760,28 @@ def test_bench_host_prints_each_layouts_time_per_step_from_its_runs_tokens_per_s
     assert all("--model tiny --seq_len 8 --batch_size 1" in " ".join(c) for c in commands) and len(commands) == 8
 
 
+def ddp_layout(rank: int, world_size: int) -> tuple[str, bool]:
+    """What parallelize_gpt() makes of --parallel ddp, and whether a micro-step outside the last (gradient_sync
+    False) leaves a gradient, as it must: DDP's no_sync() holds the all-reduce, not the gradient."""
+    gpt_train = import_gpt()
+    args = gpt_train.parse_args(["--seq_len", "16"])
+    with torch.device("meta"):
+        model = gpt_train.GPT(GPTConfig(vocab_size=64, seq_len=16, **CONFIGS["tiny"]))
+    model = gpt_train.parallelize.parallelize_gpt(model, None, args, torch.device("cpu"))
+    x = torch.randint(0, 64, (2, 16))
+    with gpt_train.parallelize.gradient_sync(model, False):
+        model(x, x).mean().backward()
+    return type(model).__name__, all(p.grad is not None for p in model.parameters())
+
+
+def test_ddp_at_one_rank_is_the_model_alone():
+    """At one rank --parallel ddp trains the model itself, as nanoGPT's one process does (DDP's hooks there cost
+    the tiny model's step 5 to 12%: docs/gpt_speed.md); at two, DDP. Their numbers are one process's either way
+    (test_n_ranks_train_what_one_process_trains)."""
+    assert spawn(ddp_layout, 1, timeout=60)[0] == [("GPT", True)]
+    assert spawn(ddp_layout, 2, timeout=60)[0] == [("DistributedDataParallel", True)] * 2
+
+
 def fp16_inf_on_one_rank(rank: int, world_size: int, parallel: str, local_check: bool) -> tuple[float, bool]:
     """One fp16 step in which one gradient entry is inf on the last rank alone, after the reduction
     (as when a sum overflows into one rank's shard); returns (the scaler's new scale, whether this
