@@ -169,6 +169,15 @@ def busy_share(trace_path: str) -> tuple[float, int] | None:
     return busy / (end - spans[0][0]), len(spans)
 
 
+def uneven(per_run: dict[str, list[float]]) -> str | None:
+    """A warning where one script's runs differ by more than 2x in tokens/s: something else had the cores."""
+    for who, speeds in per_run.items():
+        if max(speeds) > 2 * min(speeds):
+            return (f"warning: {who}'s runs differ by more than 2x ({min(speeds):,.0f} to {max(speeds):,.0f} "
+                    f"tokens/s): other work had the cores; run again on idle ones")
+    return None
+
+
 def main() -> None:
     args = parse_args()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit("error: stopped by SIGTERM"))
@@ -205,9 +214,9 @@ def compare(args: argparse.Namespace) -> None:
           f"{args.repeats} "
           f"run{'s' if args.repeats > 1 else ''} each")
     print(f"{'':>14} {'tokens/s':>10} {'min':>10} {'max':>10} {'steps 11-30':>12} {'steps 41-60':>12}")
-    medians = {}
+    medians, spread = {}, {}
     for who, runs in results.items():
-        per_run = [window(r["by_step"], 10, args.steps) for r in runs]
+        per_run = spread[who] = [window(r["by_step"], 10, args.steps) for r in runs]
         medians[who] = statistics.median(per_run)
         early, late = (statistics.median(w) if (w := [x for r in runs if (x := window(r["by_step"], a, b))]) else None
                        for a, b in ((10, 30), (40, 60)))
@@ -217,6 +226,8 @@ def compare(args: argparse.Namespace) -> None:
                    for g, n in zip(results["gpt/train.py"], results["nanoGPT"], strict=True))
     print(f"ratio gpt/ : nanoGPT {medians['gpt/train.py'] / medians['nanoGPT']:.2f} (each pair of runs: "
           f"{pairs[0]:.2f} to {pairs[-1]:.2f})")
+    if warning := uneven(spread):
+        print(warning)
     mfu = [m for r in results["gpt/train.py"] for m in r["mfu"]]
     print(f"gpt/ mfu {statistics.median(mfu):.1%}" if mfu else "gpt/ mfu - (no GPU peak known: a CPU)")
     print(f"gpt/ GPU busy {busy[0]:.1%} of steps 15-17 ({busy[1]} kernels)" if busy else

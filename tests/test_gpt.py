@@ -776,7 +776,7 @@ def ddp_layout(rank: int, world_size: int) -> tuple[str, bool]:
 
 def test_ddp_at_one_rank_is_the_model_alone():
     """At one rank --parallel ddp trains the model itself, as nanoGPT's one process does (DDP's hooks there cost
-    the tiny model's step 5 to 12%: docs/gpt_speed.md); at two, DDP. Their numbers are one process's either way
+    the tiny model's step 9 to 12%: docs/gpt_speed.md); at two, DDP. Their numbers are one process's either way
     (test_n_ranks_train_what_one_process_trains)."""
     assert spawn(ddp_layout, 1, timeout=60)[0] == [("GPT", True)]
     assert spawn(ddp_layout, 2, timeout=60)[0] == [("DistributedDataParallel", True)] * 2

@@ -64,3 +64,10 @@ def test_the_busy_share_is_the_union_of_the_kernels_over_their_span(tmp_path):
     assert vs_nanogpt.busy_share(str(tmp_path / "trace.json")) == (0.75, 3)
     (tmp_path / "cpu.json").write_text(json.dumps({"traceEvents": events[2:3]}))
     assert vs_nanogpt.busy_share(str(tmp_path / "cpu.json")) is None
+
+
+def test_runs_that_differ_by_more_than_twice_are_said_to_be_unreliable():
+    assert vs_nanogpt.uneven({"gpt/train.py": [30_000, 36_000], "nanoGPT": [31_000, 29_000, 40_000]}) is None
+    assert vs_nanogpt.uneven({"gpt/train.py": [30_000], "nanoGPT": [729, 16_361]}) == (
+        "warning: nanoGPT's runs differ by more than 2x (729 to 16,361 tokens/s): other work had the cores; run "
+        "again on idle ones")
