@@ -5,8 +5,9 @@
     python gpt/gpu_check.py --dry_run               # the commands it would run (any machine)
 
 Each check runs train.py under torchrun with one process (NCCL at world size 1: the CUDA code paths,
-not several GPUs' traffic, binding or sharding), reads what it printed and its metrics.jsonl, and prints one line:
-PASS or FAIL, with its figures. The exit status is 1 if any failed. The checks:
+not several GPUs' traffic, binding or sharding; ddp there is the model alone, no DDP), reads what it
+printed and its metrics.jsonl, and prints one line: PASS or FAIL, with its figures. The exit status is 1
+if any failed. The checks:
 
     ddp, fsdp   GPT-2 124M, bf16, --compile, 50 steps on random tokens of GPT-2's vocabulary:
                 MFU and peak memory printed, no recompilation after the first log line

@@ -182,8 +182,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--grad_accum is a pipeline's micro-batches: give it with --pp (without, count one step of "
                 "--batch_size)")
     if args.ranks and args.parallel == "ddp":  # and DDP's reducer fails on the fake group's results
-        p.error("ddp holds the whole model on every rank and all-reduces every gradient once a step: count it "
-                "under torchrun")
+        p.error("ddp holds the whole model on every rank and all-reduces every gradient once a step (at one rank, "
+                "nothing: the model alone): count it under torchrun")
     return args
 
 
