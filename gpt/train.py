@@ -62,8 +62,18 @@ def steps_range(text: str) -> tuple[int, int]:
     return int(first), int(last)
 
 
+class Help(argparse.RawTextHelpFormatter):
+    """--help as written, each option's default added where it has one and its help names none (argparse's
+    ArgumentDefaultsHelpFormatter's hook, without its "default: None" and "default: False")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if "default" in action.help or any(action.default is no for no in (None, False, argparse.SUPPRESS)):
+            return action.help
+        return action.help + " (default: %(default)s)"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=Help)
     p.add_argument("--model", choices=CONFIGS, default="tiny", help="the model's size (gpt/model.py CONFIGS)")
     p.add_argument("--data", default="synthetic", help="synthetic, a text file, or a folder of shards:\n"
                                                        "nanoGPT's train.bin and val.bin, or llm.c's NAME_train_N.bin "
@@ -107,7 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log_every", type=int, default=10, help="steps per log line (1: every step)")
     p.add_argument("--eval_every", type=int, default=100, help="steps between evaluations (and at the end)")
     p.add_argument("--val_tokens", type=int, default=32768, help="tokens evaluated, at most what the val split "
-                                                                  "holds (default 32768)")
+                                                                  "holds")
     p.add_argument("--out_dir", default="out", help="metrics.jsonl and checkpoints; a run resumes from the "
                                                     "newest checkpoint here")
     p.add_argument("--save_every", type=int, default=100, help="steps between checkpoints in OUT_DIR (0: only at "
@@ -385,7 +395,7 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
             print(line, flush=True)
         if len(val_starts) < max(1, args.val_tokens // args.seq_len) and len(tokens.val) < args.val_tokens:
             print(f"validation: {len(val_starts) * args.seq_len:,} tokens, what the val split's {len(tokens.val):,} "
-                  f"hold in windows of --seq_len (--val_tokens {args.val_tokens:,} asks more)", flush=True)
+                  f"tokens hold in windows of --seq_len (--val_tokens {args.val_tokens:,} asks more)", flush=True)
         if device.type == "cuda" and peak is None:
             print(f"no mfu: the peak of {torch.cuda.get_device_name(device)} is not known; give --peak_tflops",
                   flush=True)

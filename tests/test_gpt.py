@@ -406,6 +406,18 @@ def test_every_documented_gpt_command_passes_options_train_py_accepts():
         gpt_train.parse_args(shlex.split(command.split("  #")[0]))  # argparse exits 2 on a bad option
 
 
+
+def test_help_shows_each_default_once(capsys):
+    gpt_train = import_gpt()
+    with pytest.raises(SystemExit) as exited:
+        gpt_train.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines at the terminal's width
+    assert exited.value.code == 0
+    for shown in ("optimizer steps in the whole run (default: 300)", "the batches (default: 0)",
+                  "(1: none) (default: 1)", "(default: lr / 10) --warmup_steps"):
+        assert shown in text, text
+    assert "default: None" not in text and "default: False" not in text and "(default 32768)" not in text
+
 @pytest.mark.parametrize(("argv", "error"), [
     (["--data", "no/such/file.txt"], "error: --data no/such/file.txt: no such file"),
     (["--seq_len", "200000"], "error: --data synthetic: the val split holds 32768 tokens, fewer than --seq_len"),

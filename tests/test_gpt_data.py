@@ -123,8 +123,8 @@ def test_val_tokens_past_the_val_split_evaluates_the_split_and_says_so(tmp_path)
     GOOD[:100].astype(np.uint16).tofile(tmp_path / "val.bin")  # (100 - 1) // 32: 3 windows
     records, _, stdout = train(1, "--data", str(tmp_path), "--vocab_size", "256", "--max_steps", "2", "--seq_len",
                                "32", "--val_tokens", "1024", "--eval_every", "2")
-    assert stdout.count("validation: 96 tokens, what the val split's 100 hold in windows of --seq_len (--val_tokens "
-                        "1,024 asks more)\n") == 1, stdout
+    assert stdout.count("validation: 96 tokens, what the val split's 100 tokens hold in windows of --seq_len "
+                        "(--val_tokens 1,024 asks more)\n") == 1, stdout
     assert records[-1]["step"] == 2 and "val_loss" in records[-1]
     _, _, stdout = train(1, "--data", str(tmp_path), "--vocab_size", "256", "--max_steps", "1", "--seq_len", "32",
                          "--val_tokens", "101")  # 3 windows asked, as many as the split holds: nothing said
