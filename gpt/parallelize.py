@@ -52,6 +52,12 @@ def refused_layout(args: argparse.Namespace) -> str | None:
     if args.activation_checkpoint == "selective" and args.pp_schedule in pipeline.SPLIT_BACKWARD:  # torch 2.13
         return (f"--activation_checkpoint selective keeps its results for one backward, and --pp_schedule "
                 f"{args.pp_schedule} runs two (the input's, then the weights'): use full there")
+    # torch 2.13's split-backward schedules refuse a stage module compiled whole (_check_torch_compile_compatibility),
+    # not one whose blocks are: its first weight pass raises "compiled with non-empty donated buffers" (measured).
+    if args.compile and args.pp_schedule in pipeline.SPLIT_BACKWARD:
+        return (f"--compile and --pp_schedule {args.pp_schedule}: the schedule splits each backward in two (the "
+                f"input's, then the weights'), and a compiled block's backward cannot be split: use 1F1B, "
+                f"Interleaved1F1B, or no --compile")
     if args.pp > 1 and args.precision == "fp16":  # the schedule runs each backward: no GradScaler can scale it
         return f"--pp {args.pp} runs in fp32 or bf16: fp16's loss scaling is not in torch's pipeline schedules"
     if args.tp > 1 and args.parallel == "ddp":  # DDP takes no DTensor parameters: tensor_parallel()
@@ -290,7 +296,7 @@ def compile_model(model: GPT) -> None:
     """torch.compile each block, and the head with its loss (head_loss), before any wrapping: each
     block apart, so that FSDP's hooks stay between them (one all-gather per block); the head and the
     loss apart from the rest, as the root module's forward holds FSDP's hooks for the embeddings and
-    the tied head."""
+    the tied head. Under --pp a last stage runs its own head, and the schedule its loss, uncompiled."""
     for block in model.blocks:
         block.compile()
     model.head_loss = torch.compile(model.head_loss)

@@ -478,6 +478,9 @@ def test_a_layout_that_does_not_divide_the_model_or_the_ranks_is_one_line_and_no
     # RuntimeError at the first weight pass: "Trying to backward an extra time" (torch 2.13's selective checkpoint)
     (["--parallel", "fsdp", "--pp", "2", "--pp_schedule", "DualPipeV", "--activation_checkpoint", "selective"],
      "--pp_schedule DualPipeV runs two (the input's, then the weights'): use full there"),
+    # RuntimeError at the first weight pass: "compiled with non-empty donated buffers" (torch 2.13)
+    (["--parallel", "fsdp", "--pp", "2", "--pp_schedule", "ZBVZeroBubble", "--compile"],
+     "--compile and --pp_schedule ZBVZeroBubble: the schedule splits each backward in two"),
 ])
 def test_values_that_would_fail_later_with_a_traceback_are_refused_by_the_parser(argv, error, capsys):
     """nan passes `< 0` checks; an lr past float32's range fails in Adam's first step; a seed of 2**64
