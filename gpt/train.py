@@ -107,7 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight_decay", type=float, default=0.1, help="AdamW's, on matrices only")
     p.add_argument("--grad_clip", type=float, default=1.0, help="clip the gradient's global norm to this; 0: never")
     p.add_argument("--precision", choices=DTYPES, default="fp32", help="the compute dtype; weights stay fp32")
-    p.add_argument("--compile", action="store_true", help="torch.compile each block, and the head with its loss")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block, and the head with its loss "
+                                                          "(under --pp the blocks only;\nnot under the schedules "
+                                                          "that split a backward in two)")
     p.add_argument("--activation_checkpoint", choices=["none", "full", "selective"], default="none",
                    help="per block: keep only its input for backward and run it again there (full), or keep\n"
                         "the matrix products' and attention's results and recompute the rest (selective)")
@@ -126,7 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--export", help="write the whole model here at the end, for GPT.load (gpt/model.py)")
     p.add_argument("--peak_tflops", type=float, help="the GPU's peak, for MFU (default: from its name)")
     p.add_argument("--timeout", type=float, help="seconds a collective may wait (default: torch's, 10 min on\n"
-                                                       "nccl, 30 on gloo); also the saves' and the stop's waits "
+                                                       "nccl, 30 min on gloo); also the saves' and the stop's waits "
                                                        "(default 30 min)")
     p.add_argument("--profile", type=steps_range, metavar="A:B", help="write a torch.profiler trace of steps A to B "
                                                                       "per rank to OUT_DIR/profile (Perfetto opens it)")
@@ -383,7 +385,8 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
         shape = " × ".join(f"{name} {n}" for name, n in zip(mesh.mesh_dim_names, mesh.shape, strict=True)) \
             if mesh is not None and mesh.ndim > 1 else ""
         print(f"gpt {args.model} ({n_params / 1e6:.2f}M parameters) | {args.parallel} on {world_size} "
-              f"rank{'s' if world_size > 1 else ''}{f' ({shape})' if shape else ''}, {device.type}"
+              f"rank{'s' if world_size > 1 else ''}{f' ({shape})' if shape else ''}"
+              f"{f', schedule {args.pp_schedule}' if args.pp > 1 else ''}, {device.type}"
               f"{'' if args.activation_checkpoint == 'none' else f', {args.activation_checkpoint} checkpointing'} | "
               f"data {tokens.summary()} | global batch {global_batch} × {args.seq_len} tokens"
               f"{f' | weights from {args.init_from}' if args.init_from and not resuming[0] else ''}", flush=True)

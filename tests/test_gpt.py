@@ -207,7 +207,7 @@ def test_pipeline_parallel_trains_what_one_process_trains():
     the same 12 sequences a step: the losses, gradient norms, validation losses (through the stages) and exported
     weights, to the tolerances of the other layouts (the micro-batches' sums are added in another order)."""
     alone = run_split("fsdp", 2, *PP_SPLIT, "--pp", "2")
-    assert "fsdp on 2 ranks (pp 2 × shard 1)" in alone[2]
+    assert "fsdp on 2 ranks (pp 2 × shard 1), schedule 1F1B, cpu" in alone[2]
     assert_same_training(one_process(), alone, "pp 2")
     hsdp = run_split("hsdp", 4, 3, 2, "--pp", "2", "--shard_size", "1")
     assert "hsdp on 4 ranks (pp 2 × replicate 2 × shard 1)" in hsdp[2]
@@ -225,6 +225,7 @@ def test_every_kind_of_schedule_trains_what_one_process_trains(nproc, schedule):
     4 micro-batches of 3."""
     reference = run_split("ddp", *SPLITS[0], "--model", "mini")
     pipelined = run_split("fsdp", nproc, 3, 4, "--model", "mini", "--pp", str(nproc), "--pp_schedule", schedule)
+    assert f"schedule {schedule}, cpu" in pipelined[2]  # the start line says which ran
     assert_same_training(reference, pipelined, f"pp {nproc} with {schedule}")
 
 
