@@ -52,8 +52,8 @@ def refused_layout(args: argparse.Namespace) -> str | None:
     if args.activation_checkpoint == "selective" and args.pp_schedule in pipeline.SPLIT_BACKWARD:  # torch 2.13
         return (f"--activation_checkpoint selective keeps its results for one backward, and --pp_schedule "
                 f"{args.pp_schedule} runs two (the input's, then the weights'): use full there")
-    # torch 2.13's split-backward schedules refuse a stage module compiled whole (_check_torch_compile_compatibility),
-    # not one whose blocks are: its first weight pass raises "compiled with non-empty donated buffers" (measured).
+    # torch 2.13's split-backward schedules refuse a stage holding a torch.compile wrapper (OptimizedModule), not blocks
+    # compiled in place (compile_model): the input's pass raises "compiled with non-empty donated buffers" (measured).
     if args.compile and args.pp_schedule in pipeline.SPLIT_BACKWARD:
         return (f"--compile and --pp_schedule {args.pp_schedule}: the schedule splits each backward in two (the "
                 f"input's, then the weights'), and a compiled block's backward cannot be split: use GPipe, "
@@ -187,10 +187,18 @@ def checkpoint_blocks(model: GPT, mode: str) -> None:
     backward: train.py refuses it under the schedules that run two (the input's, then the weights')."""
     if mode == "none":
         return
-    context = {"context_fn": functools.partial(create_selective_checkpoint_contexts, keep_matmuls)}
+    policy = {"context_fn": functools.partial(create_selective_checkpoint_contexts, keep_matmuls)}
     for block in model.blocks:
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False,
-                                          **(context if mode == "selective" else {}))
+        block.forward = checkpointed(block.forward, policy if mode == "selective" else {})
+
+
+def checkpointed(forward, policy: dict):
+    """forward under checkpoint(), in a function of this file: --compile's dynamo starts at the first frame it may
+    trace, and traces the checkpoint in it as one operation. A functools.partial of checkpoint itself has no such
+    frame (checkpoint is marked @torch._disable_dynamo, torch 2.13): the whole block ran uncompiled."""
+    def run(*args):
+        return checkpoint(forward, *args, use_reentrant=False, **policy)
+    return run
 
 
 def blocks(part: nn.Module) -> list[nn.Module]:

@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                        "nanoGPT's train.bin and val.bin, or llm.c's NAME_train_N.bin "
                                                        "and NAME_val_N.bin")
     p.add_argument("--data_dtype", choices=["uint16", "uint32"], help="the width of raw .bin ids, which have no "
-                                                                      "header (default uint16);\nllm.c's shards "
+                                                                      "header (default: uint16);\nllm.c's shards "
                                                                       "say theirs")
     p.add_argument("--vocab_size", type=int, help="token ids below this (default: 64 synthetic, 256 text, 50304 DIR)")
     p.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp"], default="ddp",
@@ -94,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                       "apart), which read the same\nbatch in --grad_accum "
                                                       "micro-batches (1F1B: at least --pp of them; 1: none)")
     p.add_argument("--pp_schedule", choices=pipeline.SCHEDULES,
-                   help="--pp's schedule, torch.distributed.pipelining's (default 1F1B); Interleaved1F1B,\n"
+                   help="--pp's schedule, torch.distributed.pipelining's (default: 1F1B); Interleaved1F1B,\n"
                         "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble and DualPipeV hold two stages per rank")
     p.add_argument("--max_steps", type=int, default=300, help="optimizer steps in the whole run")
     p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per micro-step (a tp group or a "
@@ -129,7 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peak_tflops", type=float, help="the GPU's peak, for MFU (default: from its name)")
     p.add_argument("--timeout", type=float, help="seconds a collective may wait (default: torch's, 10 min on\n"
                                                        "nccl, 30 min on gloo); also the saves' and the stop's waits "
-                                                       "(default 30 min)")
+                                                       "(default: 30 min)")
     p.add_argument("--profile", type=steps_range, metavar="A:B", help="write a torch.profiler trace of steps A to B "
                                                                       "per rank to OUT_DIR/profile (Perfetto opens it)")
     args = p.parse_args(argv)

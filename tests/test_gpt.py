@@ -235,6 +235,42 @@ def assert_bit_for_bit(reference, other, what: str) -> None:
                                                           for k in reference[1]), what
 
 
+@pytest.mark.parametrize("mode", ["none", "full", "selective"])
+def test_compile_traces_every_block_checkpointed_or_not(mode):
+    """--compile compiles each block under --activation_checkpoint too: dynamo traces its forward, the checkpoint in
+    it as one operation whose body is the block's (with the block a functools.partial of checkpoint, dynamo found no
+    frame to trace, and every block ran eager). A backend that keeps what dynamo traced and runs it, with no code
+    generation: one graph, the block's operations in it, and the same loss and gradients as eager."""
+    parallelize = import_gpt("parallelize")
+    graphs = []
+
+    def keep(graph_module: torch.fx.GraphModule, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch.manual_seed(0)
+    eager = GPT(GPTConfig(vocab_size=64, seq_len=16, **CONFIGS["tiny"]))
+    compiled = GPT(GPTConfig(vocab_size=64, seq_len=16, **CONFIGS["tiny"]))
+    compiled.load_state_dict(eager.state_dict())
+    torch._dynamo.reset()
+    for model in (eager, compiled):
+        parallelize.checkpoint_blocks(model, mode)
+    for block in compiled.blocks:
+        block.compile(backend=keep)
+    x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    losses = [model(x, y).mean() for model in (eager, compiled)]
+    for loss in losses:
+        loss.backward()
+    assert len(graphs) == 1  # the second block is the same code: dynamo's guards let it reuse the graph
+    ops = {getattr(node.target, "__name__", str(node.target)) for module in graphs[0].modules()
+           for node in module.graph.nodes if node.op == "call_function"}  # a checkpoint's body is a module of it
+    assert {"linear", "scaled_dot_product_attention", "gelu", "layer_norm"} <= ops, ops
+    assert ("tag_activation_checkpoint" in ops) == (mode != "none"), ops
+    assert torch.equal(*losses)
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, rtol=0, atol=1e-6), name
+
+
 def test_activation_checkpointing_changes_no_loss_bit_for_bit():
     """--activation_checkpoint full and selective recompute in backward what the forward computed, with the same
     weights (FSDP gathers a block's before its backward, which recomputes inside) and the same kernels: fp32 on
