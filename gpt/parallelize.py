@@ -58,6 +58,9 @@ def refused_layout(args: argparse.Namespace) -> str | None:
         return (f"--compile and --pp_schedule {args.pp_schedule}: the schedule splits each backward in two (the "
                 f"input's, then the weights'), and a compiled block's backward cannot be split: use GPipe, "
                 f"1F1B, Interleaved1F1B or LoopedBFS, or no --compile")
+    if args.compile and args.tp > 1 and args.activation_checkpoint == "full":  # torch 2.13, measured (aot_eager too)
+        return ("--compile with --tp and --activation_checkpoint full fails in torch 2.13 (the compiled checkpoint "
+                "saves tp's DeviceMesh for backward): use selective, or no --compile")
     if args.pp > 1 and args.precision == "fp16":  # the schedule runs each backward: no GradScaler can scale it
         return f"--pp {args.pp} runs in fp32 or bf16: fp16's loss scaling is not in torch's pipeline schedules"
     if args.tp > 1 and args.parallel == "ddp":  # DDP takes no DTensor parameters: tensor_parallel()
