@@ -447,7 +447,6 @@ def test_every_documented_gpt_command_passes_options_train_py_accepts():
         gpt_train.parse_args(shlex.split(command.split("  #")[0]))  # argparse exits 2 on a bad option
 
 
-
 def test_help_shows_each_default_once(capsys):
     gpt_train = import_gpt()
     with pytest.raises(SystemExit) as exited:
@@ -458,6 +457,7 @@ def test_help_shows_each_default_once(capsys):
                   "(1: none) (default: 1)", "(default: lr / 10) --warmup_steps"):
         assert shown in text, text
     assert "default: None" not in text and "default: False" not in text and "(default 32768)" not in text
+
 
 @pytest.mark.parametrize(("argv", "error"), [
     (["--data", "no/such/file.txt"], "error: --data no/such/file.txt: no such file"),
@@ -519,7 +519,7 @@ def test_a_layout_that_does_not_divide_the_model_or_the_ranks_is_one_line_and_no
     # RuntimeError at the first weight pass: "Trying to backward an extra time" (torch 2.13's selective checkpoint)
     (["--parallel", "fsdp", "--pp", "2", "--pp_schedule", "DualPipeV", "--activation_checkpoint", "selective"],
      "--pp_schedule DualPipeV runs two (the input's, then the weights'): use full there"),
-    # RuntimeError at the first weight pass: "compiled with non-empty donated buffers" (torch 2.13)
+    # RuntimeError in the first input's pass: "compiled with non-empty donated buffers" (torch 2.13)
     (["--parallel", "fsdp", "--pp", "2", "--pp_schedule", "ZBVZeroBubble", "--compile"],
      "--compile and --pp_schedule ZBVZeroBubble: the schedule splits each backward in two"),
     # AssertionError in the first forward: "expected all tensors_saved_with_vc_check to be Tensors" (torch 2.13)
