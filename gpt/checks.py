@@ -150,11 +150,13 @@ def arguments_and_data(args: argparse.Namespace, world_size: int) -> tuple[data.
     tokens = config = found = mine = None
     try:
         tokens = data.load(args.data, args.vocab_size, args.data_dtype)
-        config = GPTConfig(vocab_size=tokens.vocab_size, seq_len=args.seq_len, **CONFIGS[args.model])
+        # the shape: --model's, else --init_from's (its config.json), else tiny's; both: they must agree (hf.check)
+        shape = hf.shape(args.init_from) if args.init_from and not args.model else CONFIGS[args.model or "tiny"]
+        config = GPTConfig(vocab_size=tokens.vocab_size, seq_len=args.seq_len, **shape)
+        if args.init_from:
+            hf.check(args.init_from, config, args.model)  # its config.json and files: the weights read after the lock
         parallelize.check_layout(args, config, world_size)
         data.check(tokens, args.seq_len)
-        if args.init_from:
-            hf.check(args.init_from, config)  # its config.json and files: the weights are read after the lock
         # The same files on every rank (a host whose copy differs, or lacks a shard, would train on other
         # tokens): each rank's files' names, sizes and first and last bytes, compared with rank 0's below.
         mine = data.fingerprint(tokens)

@@ -1,4 +1,5 @@
-"""Hugging Face's GPT-2 format, out of gpt/: a folder that transformers' GPT2LMHeadModel.from_pretrained loads.
+"""Hugging Face's formats in and out of gpt/: a folder that transformers' GPT2LMHeadModel, LlamaForCausalLM or
+Qwen3ForCausalLM loads with from_pretrained (out), and train.py --init_from's reading of one (in).
 
     python gpt/hf.py export model.pt hf/              # a train.py --export file
     python gpt/hf.py export out/step_00005000 hf/     # a checkpoint folder, of any layout (read in one process)
@@ -7,7 +8,9 @@
 
 It writes config.json and model.safetensors. The weights are the same numbers in other places: GPT-2 keeps q, k
 and v in one projection (c_attn, q's rows first) and its Conv1D stores a weight as (in, out), a Linear's
-transposed; the head stays tied to the embedding (one matrix, saved once). A vocabulary padded for speed (50304
+transposed; the head stays tied to the embedding (one matrix, saved once). The Llama family (LLAMA below) is
+one name for one name: Linear for Linear, and the rotary layout is transformers' (rotate-half) in both, so
+nothing is permuted; a model with QK-norm is a Qwen3, one without a Llama. A vocabulary padded for speed (50304
 for GPT-2's 50257) is kept, and said; --vocab_size 50257 cuts the rows no token uses. A model trained on
 gpt/prepare.py's shards carries the record of their tokenizer: its tokenizer.json and tokenizer_config.json are
 written beside (AutoTokenizer loads the folder). Needs transformers' safetensors, and transformers and tokenizers
@@ -19,7 +22,7 @@ import os
 import re
 import sys
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 import torch
 
@@ -40,8 +43,29 @@ def pairs(n_layer: int):
             yield f"blocks.{i}.{mine}.bias", f"h.{i}.{hers}.bias", False
 
 
+# The Llama family's names in transformers (LlamaForCausalLM, Qwen3ForCausalLM): gpt/'s per block, and the rest.
+LLAMA = {"ln_1": "input_layernorm", "attn.q": "self_attn.q_proj", "attn.k": "self_attn.k_proj",
+         "attn.v": "self_attn.v_proj", "attn.o": "self_attn.o_proj", "attn.q_norm": "self_attn.q_norm",
+         "attn.k_norm": "self_attn.k_norm", "ln_2": "post_attention_layernorm", "mlp.gate": "mlp.gate_proj",
+         "mlp.fc": "mlp.up_proj", "mlp.proj": "mlp.down_proj"}
+
+
+def llama_names(config: GPTConfig) -> dict[str, str]:
+    """{gpt/'s name: transformers' name} of every weight of a Llama-family model (a tied head left out: it is wte)."""
+    names = {"wte.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight"}
+    if not config.tie_head:
+        names["lm_head.weight"] = "lm_head.weight"
+    for i in range(config.n_layer):
+        names.update({f"blocks.{i}.{ours}.weight": f"model.layers.{i}.{theirs}.weight" for ours, theirs in LLAMA.items()
+                      if config.qk_norm or not ours.endswith("_norm")})
+    return names
+
+
 def to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """gpt/model.py's state_dict in GPT2LMHeadModel's names and shapes (the tied head left out: it is wte)."""
+    """gpt/model.py's state_dict in GPT2LMHeadModel's, LlamaForCausalLM's or Qwen3ForCausalLM's names and shapes
+    (a tied head left out: it is wte)."""
+    if config.family == "llama":
+        return {theirs: state[ours].contiguous() for ours, theirs in llama_names(config).items()}
     hf = {f"transformer.{theirs}": state[ours].t() if transposed else state[ours]
           for ours, theirs, transposed in pairs(config.n_layer)}
     for i in range(config.n_layer):
@@ -51,27 +75,81 @@ def to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.
     return {name: tensor.contiguous() for name, tensor in hf.items()}
 
 
-def check(folder: str, config: GPTConfig) -> list[str]:
-    """The weight files of a Hugging Face GPT-2 folder that fits `config`, the run's model (the same layers, heads
-    and width; as many positions or more; a vocabulary as large or smaller), from its config.json alone; else a
-    ValueError, one line."""
+def read_config(folder: str) -> dict:
+    """The folder's config.json, or a ValueError (one line)."""
     try:
         with open(os.path.join(folder, "config.json")) as file:
-            theirs = json.load(file)
+            return json.load(file)
     except OSError as error:
         raise ValueError(f"--init_from {folder}: {error.strerror or error}: not a Hugging Face model folder") from None
-    if theirs.get("model_type") != "gpt2":
-        raise ValueError(f"--init_from {folder}: a {theirs.get('model_type')!r} model (config.json), not GPT-2's")
-    for name in ("n_layer", "n_head", "n_embd"):
-        if theirs.get(name) != getattr(config, name):
-            raise ValueError(f"--init_from {folder}: its {name} is {theirs.get(name)}, --model's "
-                             f"{getattr(config, name)}")
-    if theirs.get("activation_function", "gelu_new") != "gelu_new" or not theirs.get("tie_word_embeddings", True):
-        raise ValueError(f"--init_from {folder}: GPT-2 with another activation or an untied head, which gpt/ lacks")
-    if theirs.get("n_positions", 0) < config.seq_len or theirs.get("vocab_size", 0) > config.vocab_size:
+    except ValueError:
+        raise ValueError(f"--init_from {folder}: its config.json is not JSON") from None
+
+
+def shape(folder: str) -> dict:
+    """GPTConfig's fields (all but vocab_size and seq_len, which are the run's) of the model in a Hugging Face folder,
+    from its config.json: GPT-2, Llama or Qwen3, whatever its size; what gpt/ does not hold (another activation, a
+    bias, another rope type, sliding-window attention) is a ValueError, one line, naming it."""
+    theirs = read_config(folder)
+    kind = theirs.get("model_type")
+    if kind not in ("gpt2", "llama", "qwen3"):
+        raise ValueError(f"--init_from {folder}: a {kind!r} model (config.json): gpt/ reads gpt2, llama and qwen3")
+
+    def refuse(what: str):
+        raise ValueError(f"--init_from {folder}: a {kind} model with {what} (config.json), which gpt/ lacks")
+
+    try:
+        return gpt2_or_llama(theirs, kind, refuse)
+    except KeyError as error:
+        raise ValueError(f"--init_from {folder}: its config.json lacks {error.args[0]}") from None
+
+
+def gpt2_or_llama(theirs: dict, kind: str, refuse) -> dict:
+    """shape()'s fields from config.json's, `refuse` called with what gpt/ lacks."""
+    if kind == "gpt2":
+        if theirs.get("activation_function", "gelu_new") != "gelu_new" or not theirs.get("tie_word_embeddings", True):
+            refuse("another activation or an untied head")
+        if theirs.get("n_inner") not in (None, 4 * theirs["n_embd"]):
+            refuse(f"n_inner {theirs['n_inner']}")
+        return {"n_layer": theirs["n_layer"], "n_head": theirs["n_head"], "n_embd": theirs["n_embd"],
+                "norm_eps": theirs.get("layer_norm_epsilon", 1e-5)}
+    rope = theirs.get("rope_parameters") or {**(theirs.get("rope_scaling") or {}), "rope_theta":
+                                             theirs.get("rope_theta", 10_000.0)}  # transformers 5's, or before
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    for what, bad in (("attention_bias", theirs.get("attention_bias")), ("mlp_bias", theirs.get("mlp_bias")),
+                      (f"hidden_act {theirs.get('hidden_act')!r}", theirs.get("hidden_act", "silu") != "silu"),
+                      (f"rope_type {rope_type!r}", rope_type not in ("default", "llama3")),
+                      ("sliding-window attention", theirs.get("use_sliding_window") or any(
+                          layer != "full_attention" for layer in theirs.get("layer_types") or []))):
+        if bad:
+            refuse(what)
+    return {"family": "llama", "n_layer": theirs["num_hidden_layers"], "n_head": theirs["num_attention_heads"],
+            "n_embd": theirs["hidden_size"], "n_kv_head": theirs.get("num_key_value_heads"),
+            "head_dim": theirs.get("head_dim"), "ffn_hidden": theirs["intermediate_size"],
+            "norm_eps": theirs.get("rms_norm_eps", 1e-6), "rope_theta": float(rope["rope_theta"]),
+            "rope_llama3": (rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+                            rope["original_max_position_embeddings"]) if rope_type == "llama3" else None,
+            "qk_norm": kind == "qwen3", "tie_head": bool(theirs.get("tie_word_embeddings", False))}
+
+
+def check(folder: str, config: GPTConfig, model: str | None = None) -> list[str]:
+    """The weight files of a Hugging Face folder whose model is `config`, the run's (shape()'s, unless --model
+    names another: refused, naming the first field that differs), with a vocabulary as large or smaller (and, for
+    GPT-2, as many positions or more), from its config.json alone; else a ValueError, one line."""
+    theirs = read_config(folder)
+    expected = GPTConfig(config.vocab_size, config.seq_len, **shape(folder))
+    for field in fields(GPTConfig):
+        if getattr(config, field.name) != getattr(expected, field.name):
+            raise ValueError(f"--init_from {folder}: its {field.name} is {getattr(expected, field.name)}, --model "
+                             f"{model}'s {getattr(config, field.name)}")
+    if config.family == "gpt2" and (theirs.get("n_positions", 0) < config.seq_len
+                                    or theirs.get("vocab_size", 0) > config.vocab_size):
         raise ValueError(f"--init_from {folder}: {theirs.get('n_positions')} positions and vocab "
                          f"{theirs.get('vocab_size')}, where the run needs {config.seq_len} positions or more "
                          f"(--seq_len) and a vocab of {config.vocab_size} or less")
+    if theirs.get("vocab_size", 0) > config.vocab_size:  # rotary positions: any --seq_len
+        raise ValueError(f"--init_from {folder}: its vocab is {theirs.get('vocab_size')}, and the run's "
+                         f"{config.vocab_size} (--vocab_size)")
     index = os.path.join(folder, "model.safetensors.index.json")
     files = [os.path.join(folder, "model.safetensors")]
     if os.path.isfile(index):
@@ -90,11 +168,11 @@ def check(folder: str, config: GPTConfig) -> list[str]:
 
 
 def from_hf(folder: str, config: GPTConfig) -> dict[str, torch.Tensor]:
-    """A Hugging Face GPT-2 folder's weights (config.json; model.safetensors, its index of shards, or
-    pytorch_model.bin) as gpt/model.py's state_dict for `config`, the run's model (see check): the first seq_len
-    positions; a vocabulary padded with rows that are the mean of the others (transformers'
-    resize_token_embeddings draws new rows around that mean): each padding id's logit is the mean of the others',
-    so they take little of the softmax's mass."""
+    """A Hugging Face folder's weights (config.json; model.safetensors, its index of shards, or pytorch_model.bin)
+    as gpt/model.py's state_dict for `config`, the run's model (see check): GPT-2's first seq_len positions; a
+    vocabulary padded with rows that are the mean of the others (transformers' resize_token_embeddings draws new
+    rows around that mean), in the embedding and an untied head: each padding id's logit is the mean of the
+    others', so they take little of the softmax's mass."""
     weights = {}
     for path in check(folder, config):
         if path.endswith(".bin"):
@@ -103,22 +181,27 @@ def from_hf(folder: str, config: GPTConfig) -> dict[str, torch.Tensor]:
             from safetensors.torch import load_file
 
             weights.update(load_file(path))
-    weights = {name.removeprefix("transformer."): tensor for name, tensor in weights.items()}
     try:
-        state = {ours: weights[theirs].t() if transposed else weights[theirs]
-                 for ours, theirs, transposed in pairs(config.n_layer)}
-        for i in range(config.n_layer):
-            for proj, weight, bias in zip("qkv", weights[f"h.{i}.attn.c_attn.weight"].t().chunk(3),
-                                          weights[f"h.{i}.attn.c_attn.bias"].chunk(3), strict=True):
-                state[f"blocks.{i}.attn.{proj}.weight"], state[f"blocks.{i}.attn.{proj}.bias"] = weight, bias
+        if config.family == "llama":
+            state = {ours: weights[theirs] for ours, theirs in llama_names(config).items()}
+        else:
+            weights = {name.removeprefix("transformer."): tensor for name, tensor in weights.items()}
+            state = {ours: weights[theirs].t() if transposed else weights[theirs]
+                     for ours, theirs, transposed in pairs(config.n_layer)}
+            for i in range(config.n_layer):
+                for proj, weight, bias in zip("qkv", weights[f"h.{i}.attn.c_attn.weight"].t().chunk(3),
+                                              weights[f"h.{i}.attn.c_attn.bias"].chunk(3), strict=True):
+                    state[f"blocks.{i}.attn.{proj}.weight"], state[f"blocks.{i}.attn.{proj}.bias"] = weight, bias
+            state["wpe.weight"] = state["wpe.weight"][:config.seq_len]  # the positions the run uses
     except KeyError as error:
         raise ValueError(f"--init_from {folder}: its weights lack {error.args[0]}") from None
-    state["wpe.weight"] = state["wpe.weight"][:config.seq_len]  # the positions the run uses
-    wte = state["wte.weight"]
-    if len(wte) < config.vocab_size:
-        padding = wte.float().mean(0, keepdim=True).to(wte.dtype).expand(config.vocab_size - len(wte), -1)
-        state["wte.weight"] = torch.cat([wte, padding])
-    state["lm_head.weight"] = state["wte.weight"]
+    for name in ("wte.weight", "lm_head.weight"):
+        rows = state.get(name)
+        if rows is not None and len(rows) < config.vocab_size:
+            padding = rows.float().mean(0, keepdim=True).to(rows.dtype).expand(config.vocab_size - len(rows), -1)
+            state[name] = torch.cat([rows, padding])
+    if config.tie_head:
+        state["lm_head.weight"] = state["wte.weight"]
     with torch.device("meta"):
         shapes = {name: tensor.shape for name, tensor in GPT(config).state_dict().items()}
     for name, tensor in state.items():
@@ -130,8 +213,11 @@ def from_hf(folder: str, config: GPTConfig) -> dict[str, torch.Tensor]:
 
 def hf_config(config: GPTConfig, eot: int | None = None) -> dict:
     """config.json for GPT2LMHeadModel: GPT-2's choices where gpt/model.py makes the same (tanh GELU, LayerNorm's
-    eps 1e-5, attention scaled by 1/sqrt(head_dim), tied head). `eot`: the end-of-text id of prepare.py's
-    tokenizer, else GPT-2's where the vocab is GPT-2's size or more."""
+    eps 1e-5, attention scaled by 1/sqrt(head_dim), tied head); for the Llama family, LlamaForCausalLM's, or
+    Qwen3ForCausalLM's with QK-norm. `eot`: the end-of-text id of prepare.py's tokenizer, else GPT-2's where the
+    vocab is GPT-2's size or more."""
+    if config.family == "llama":
+        return llama_config(config, eot)
     eot = eot if eot is not None else GPT2_VOCAB - 1 if config.vocab_size >= GPT2_VOCAB else None
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config.vocab_size,
             "n_positions": config.seq_len, "n_embd": config.n_embd, "n_layer": config.n_layer,
@@ -139,6 +225,27 @@ def hf_config(config: GPTConfig, eot: int | None = None) -> dict:
             "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
             "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
             "tie_word_embeddings": True, "bos_token_id": eot, "eos_token_id": eot, "dtype": "float32"}
+
+
+def llama_config(config: GPTConfig, eot: int | None) -> dict:
+    """config.json for LlamaForCausalLM, or Qwen3ForCausalLM where QK-norm is on, in transformers 5's terms
+    (rope_parameters). max_position_embeddings: the run's --seq_len, or where Llama 3's scaling reaches (the original
+    length × its factor) if more: transformers warns of an original length not below it."""
+    kind, c = "qwen3" if config.qk_norm else "llama", config
+    rope, positions = {"rope_type": "default", "rope_theta": c.rope_theta}, c.seq_len
+    if c.rope_llama3 is not None:
+        names = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        rope = {**rope, "rope_type": "llama3", **dict(zip(names, c.rope_llama3, strict=True))}
+        positions = max(positions, int(c.rope_llama3[0] * c.rope_llama3[3]))
+    return {"architectures": ["Qwen3ForCausalLM" if config.qk_norm else "LlamaForCausalLM"], "model_type": kind,
+            "vocab_size": c.vocab_size, "hidden_size": c.n_embd, "intermediate_size": c.ffn_hidden,
+            "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_head,
+            "head_dim": c.head_dim, "hidden_act": "silu", "max_position_embeddings": positions,
+            "rms_norm_eps": c.norm_eps, "rope_parameters": rope, "attention_bias": False,
+            "attention_dropout": c.dropout,
+            **({"mlp_bias": False} if kind == "llama" else {"use_sliding_window": False}),
+            "tie_word_embeddings": c.tie_head, "initializer_range": 0.02, "bos_token_id": eot, "eos_token_id": eot,
+            "dtype": "float32"}
 
 
 def read(source: str) -> tuple[GPTConfig, dict[str, torch.Tensor], dict | None]:
@@ -185,16 +292,18 @@ def export(source: str, dest: str, vocab_size: int | None) -> str:
         if not 0 < vocab_size <= config.vocab_size:
             raise ValueError(f"--vocab_size {vocab_size}: the model's vocab is {config.vocab_size}")
         state["wte.weight"] = state["wte.weight"][:vocab_size]
+        state["lm_head.weight"] = state["lm_head.weight"][:vocab_size]  # the same rows where tied
+        said = f"vocab {vocab_size} (the first {vocab_size} of the model's {config.vocab_size} rows)"
         config = GPTConfig(**{**asdict(config), "vocab_size": vocab_size})
-        said = f"vocab {vocab_size} (the first {vocab_size} of the model's {state['lm_head.weight'].shape[0]} rows)"
-    elif config.vocab_size > GPT2_VOCAB:
+    elif config.vocab_size > GPT2_VOCAB and config.family == "gpt2":
         said += f" (GPT-2's {GPT2_VOCAB} padded: no token's id is {GPT2_VOCAB} or more; --vocab_size {GPT2_VOCAB} cuts)"
     os.makedirs(dest, exist_ok=True)
     save_file(to_hf(state, config), os.path.join(dest, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(dest, "config.json"), "w") as file:
         json.dump(hf_config(config, tokenizer and tokenizer["eot"]), file, indent=2)
     said += tokenizer_files(tokenizer, dest, config.seq_len)
-    return f"wrote {dest} from {source}: GPT2LMHeadModel, {config.n_layer} layers, {said}"
+    kind = hf_config(config)["architectures"][0]
+    return f"wrote {dest} from {source}: {kind}, {config.n_layer} layers, {said}"
 
 
 def tokenizer_files(tokenizer: dict | None, dest: str, positions: int) -> str:

@@ -1,10 +1,13 @@
-"""A GPT-2-style decoder: pre-norm blocks, causal attention through scaled_dot_product_attention,
-a GELU MLP, and an output layer tied to the token embedding. No dropout by default.
+"""A decoder of two families, read top to bottom: GPT-2 (learned positions, LayerNorm, a tanh-GELU MLP, biases,
+the head tied to the token embedding) and Llama (Llama 3, Qwen3: rotary positions, RMSNorm, a SwiGLU MLP,
+grouped-query attention, no biases, the head tied or not, Qwen3's RMSNorm of each head's q and k). The families
+differ by the options of GPTConfig, not by a second copy of the model. Pre-norm blocks, causal attention through
+scaled_dot_product_attention, no dropout by default.
 
-Only torch: this file loads an exported model (`GPT.load`) with no torch.distributed, and the
-parallelism lessons to come (tensor, pipeline, context, expert) are to import it. Each block is
-its own module in `blocks`, and each projection its own Linear (q, k, v, o; fc, proj), so that
-tensor parallel can split them column- or row-wise and pipeline parallel can cut the list.
+Only torch: this file loads an exported model (`GPT.load`) with no torch.distributed, and the parallelism
+lessons import it. Each block is its own module in `blocks`, and each projection its own Linear (q, k, v, o;
+fc, proj, and SwiGLU's gate), so that tensor parallel can split them column- or row-wise and pipeline parallel
+can cut the list.
 """
 import math
 import os
@@ -18,65 +21,152 @@ from torch import nn
 @dataclass(frozen=True)
 class GPTConfig:
     vocab_size: int
-    seq_len: int  # the longest sequence: the size of the position embedding
+    seq_len: int  # the longest sequence: the size of GPT-2's position embedding
     n_layer: int
     n_head: int
     n_embd: int
     dropout: float = 0.0
+    # What sets the families apart. The defaults are GPT-2's; None is worked out in __post_init__.
+    family: str = "gpt2"  # gpt2: LayerNorm, learned positions, GELU, biases; llama: RMSNorm, rotary, SwiGLU, none
+    n_kv_head: int | None = None  # k and v heads, each shared by n_head / n_kv_head q heads (1: multi-query)
+    head_dim: int | None = None  # n_embd // n_head, unless set (Qwen3's is its own)
+    ffn_hidden: int | None = None  # the MLP's hidden units: 4 · n_embd (GPT-2's); SwiGLU's have their own
+    norm_eps: float = 1e-5
+    rope_theta: float = 10_000.0  # the rotary frequencies' base (llama)
+    # Llama 3's frequency scaling, as transformers' rope_type "llama3" computes it: (factor, low_freq_factor,
+    # high_freq_factor, original_max_position_embeddings); None: none
+    rope_llama3: tuple | None = None
+    qk_norm: bool = False  # Qwen3: each head's q and k through an RMSNorm of head_dim, before the rotation
+    tie_head: bool = True  # the head is the token embedding's matrix
+
+    def __post_init__(self) -> None:
+        if self.family not in ("gpt2", "llama"):
+            raise ValueError(f"family {self.family!r}: gpt2 or llama")
+        defaults = {"n_kv_head": self.n_head, "head_dim": self.n_embd // self.n_head, "ffn_hidden": 4 * self.n_embd}
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)  # frozen: set once, here
+        if self.rope_llama3 is not None:  # a list, as JSON gives it back
+            object.__setattr__(self, "rope_llama3", tuple(self.rope_llama3))
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_kv_head {self.n_kv_head} does not divide n_head {self.n_head}")
+        if self.family == "gpt2" and (self.n_kv_head != self.n_head or self.qk_norm or not self.tie_head
+                                      or self.head_dim * self.n_head != self.n_embd):
+            raise ValueError("GPT-2 has full multi-head attention of n_embd / n_head, no qk_norm, a tied head")
 
 
-# The sizes that --model names; vocab_size and seq_len come from the data and --seq_len.
+# The shapes that --model names; vocab_size and seq_len come from the data and --seq_len.
+LLAMA3 = dict(family="llama", rope_theta=500_000.0, norm_eps=1e-5)
+QWEN3 = dict(family="llama", rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True, head_dim=128)
 CONFIGS = {
     "tiny": dict(n_layer=2, n_head=2, n_embd=64),  # trains in seconds on 2 CPU cores
     "mini": dict(n_layer=4, n_head=4, n_embd=128),  # 4 heads: tensor parallel up to 4 (gpt/bench.py --tp)
     "small": dict(n_layer=6, n_head=6, n_embd=384),  # nanoGPT's Shakespeare config
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # GPT-2 124M (with vocab 50304, seq_len 1024)
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # GPT-2 350M
+    # The Llama family at tiny's and mini's widths: grouped-query (2 heads per k and v), Llama 3's scaled
+    # frequencies; llama-tiny's head untied, as Llama 3.1 8B's; qwen3-tiny's heads of their own size, and QK-norm.
+    "llama-tiny": dict(**LLAMA3, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, ffn_hidden=160, tie_head=False,
+                       rope_llama3=(8.0, 1.0, 4.0, 8192)),
+    "qwen3-tiny": dict(**{**QWEN3, "head_dim": 32}, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, ffn_hidden=160),
+    "llama-mini": dict(**LLAMA3, n_layer=4, n_head=8, n_kv_head=4, n_embd=128, ffn_hidden=352,
+                       rope_llama3=(32.0, 1.0, 4.0, 8192)),
+    # The published shapes (config.json on the Hugging Face hub); their vocabularies are the data's (--vocab_size).
+    "llama3.2-1b": dict(**LLAMA3, n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, ffn_hidden=8192,
+                        rope_llama3=(32.0, 1.0, 4.0, 8192)),
+    "llama3.1-8b": dict(**LLAMA3, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, ffn_hidden=14336, tie_head=False,
+                        rope_llama3=(8.0, 1.0, 4.0, 8192)),
+    "qwen3-0.6b": dict(**QWEN3, n_layer=28, n_head=16, n_kv_head=8, n_embd=1024, ffn_hidden=3072),
+    "qwen3-8b": dict(**QWEN3, n_layer=36, n_head=32, n_kv_head=8, n_embd=4096, ffn_hidden=12288, tie_head=False),
 }
+
+
+def norm(config: GPTConfig, size: int) -> nn.Module:
+    return nn.LayerNorm(size, eps=config.norm_eps) if config.family == "gpt2" else nn.RMSNorm(size, eps=config.norm_eps)
+
+
+def rotary(config: GPTConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each (seq, head_dim) in fp32, of the tokens at `positions` (seq,): the angle of frequency i is
+    position · theta^(-2i / head_dim), Llama 3's low frequencies divided by its factor (and the middle ones
+    blended), as transformers computes them (modeling_rope_utils.py, _compute_llama3_parameters). In transformers'
+    layout, rotate-half: a head's first half pairs with its second (Meta's checkpoints pair neighbours: docs)."""
+    d = config.head_dim
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, d, 2, device=positions.device).float() / d)
+    if config.rope_llama3 is not None:
+        factor, low, high, old_len = config.rope_llama3
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)  # 0 at the low-frequency end, 1 at the high one
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > old_len / low, inv_freq / factor,
+                               torch.where(wavelen < old_len / high, inv_freq, blended))
+    angles = positions.float()[:, None] * inv_freq  # (seq, head_dim / 2)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (batch, heads, seq, head_dim) rotated pair by pair, (x1, x2) the head's halves: (x1 cos - x2 sin, x2 cos +
+    x1 sin). cos and sin in x's dtype, as transformers casts them."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class Attention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        assert config.n_embd % config.n_head == 0, "n_embd must be a multiple of n_head"
-        self.head_dim = config.n_embd // config.n_head
-        self.dropout = config.dropout
-        self.q = nn.Linear(config.n_embd, config.n_embd)
-        self.k = nn.Linear(config.n_embd, config.n_embd)
-        self.v = nn.Linear(config.n_embd, config.n_embd)
-        self.o = nn.Linear(config.n_embd, config.n_embd)
+        c, bias = config, config.family == "gpt2"
+        self.head_dim = c.head_dim
+        self.dropout = c.dropout
+        self.q = nn.Linear(c.n_embd, c.n_head * c.head_dim, bias=bias)
+        self.k = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=bias)  # fewer heads under grouped-query
+        self.v = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=bias)
+        self.o = nn.Linear(c.n_head * c.head_dim, c.n_embd, bias=bias)
+        self.q_norm = nn.RMSNorm(c.head_dim, eps=c.norm_eps) if c.qk_norm else None
+        self.k_norm = nn.RMSNorm(c.head_dim, eps=c.norm_eps) if c.qk_norm else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, seq, n_embd)
+    def forward(self, x: torch.Tensor, rope: tuple | None) -> torch.Tensor:  # x: (batch, seq, n_embd)
         batch, seq, _ = x.shape
-        # (batch, heads, seq, head_dim); -1 heads: under tensor parallel a rank holds only some
-        q, k, v = (proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        # (batch, seq, heads, head_dim); -1 heads: under tensor parallel a rank holds only some
+        q, k, v = (proj(x).view(batch, seq, -1, self.head_dim) for proj in (self.q, self.k, self.v))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
+        if rope is not None:
+            q, k = rotate(q, *rope), rotate(k, *rope)
+        # enable_gqa: q head h attends with k and v head h // (n_head / n_kv_head), as transformers' repeat_kv
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+                                           enable_gqa=k.shape[1] != q.shape[1])
         return self.o(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd)
-        self.proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.swiglu, bias = config.family == "llama", config.family == "gpt2"
+        self.fc = nn.Linear(config.n_embd, config.ffn_hidden, bias=bias)
+        self.gate = nn.Linear(config.n_embd, config.ffn_hidden, bias=False) if self.swiglu else None
+        self.proj = nn.Linear(config.ffn_hidden, config.n_embd, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:  # Llama's w2(silu(w1 x) * w3 x): w1 is gate, w3 fc, w2 proj
+            return self.proj(F.silu(self.gate(x)) * self.fc(x))
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))  # GPT-2's GELU
 
 
 class Block(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.ln_1 = norm(config, config.n_embd)
         self.attn = Attention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.ln_2 = norm(config, config.n_embd)
         self.mlp = MLP(config)
         # One Dropout module each: a module called twice per forward breaks torch's CommDebugMode, whose
         # module tracker registers a forward hook at each call (torch 2.13), so the second call pops twice.
         self.attn_dropout, self.mlp_dropout = nn.Dropout(config.dropout), nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn_dropout(self.attn(self.ln_1(x)))
+    def forward(self, x: torch.Tensor, rope: tuple | None = None) -> torch.Tensor:
+        x = x + self.attn_dropout(self.attn(self.ln_1(x), rope))
         return x + self.mlp_dropout(self.mlp(self.ln_2(x)))
 
 
@@ -85,22 +175,32 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.seq_len, config.n_embd)
+        self.wpe = nn.Embedding(config.seq_len, config.n_embd) if config.family == "gpt2" else None  # llama: rotary
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.ln_f = norm(config, config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied: one matrix, listed once by parameters()
+        if config.tie_head:
+            self.lm_head.weight = self.wte.weight  # tied: one matrix, listed once by parameters()
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """The logits (batch, seq, vocab_size) of idx (batch, seq), or with targets each token's loss
-        (batch × seq)."""
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(positions)  # (batch, seq, n_embd)
+        (batch × seq). `positions` (seq,): the tokens' places in their sequence, 0 to seq - 1 unless given."""
+        x, rope = self.embed(idx, positions)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, rope)
         if targets is None:
             return self.lm_head(self.ln_f(x))
         return self.head_loss(x, targets)
+
+    def embed(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple | None]:
+        """(the embedded tokens (batch, seq, n_embd), the rotary tables every block takes, or None for GPT-2,
+        whose positions are added here): the model's input end, which a pipeline's first stage runs too."""
+        if positions is None:
+            positions = torch.arange(idx.shape[1], device=idx.device)
+        if self.wpe is not None:
+            return self.wte(idx) + self.wpe(positions), None
+        return self.wte(idx), rotary(self.config, positions)
 
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Each token's loss (batch × seq) in fp32 from the last block's output: the final norm, the tied
@@ -111,11 +211,11 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
 
     def init_value(self, name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
-        """The full starting value of parameter `name` (GPT-2's rule), drawn on the CPU from
+        """The full starting value of parameter `name` (GPT-2's rule, for both families), drawn on the CPU from
         `generator`: the same numbers whatever device or sharding the parameter lives on."""
         if name.endswith("bias"):
             return torch.zeros(shape)
-        if name.startswith("ln") or ".ln_" in name:
+        if name.startswith("ln") or ".ln_" in name or name.endswith("_norm.weight"):  # the norms' gains
             return torch.ones(shape)
         std = 0.02
         if name.endswith(("attn.o.weight", "mlp.proj.weight")):
@@ -133,10 +233,13 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6 per parameter (forward 2, backward 4) plus attention's
-        12 · layers · n_embd · seq_len (the PaLM paper's estimate, as nanoGPT uses)."""
+        """Training FLOPs per token: 6 per parameter that multiplies (forward 2, backward 4: not GPT-2's position
+        table, nor an untied embedding, which are looked up) plus attention's 12 · layers · heads · head_dim ·
+        seq_len (the PaLM paper's estimate, as nanoGPT uses)."""
         c = self.config
-        return 6 * (self.num_params() - self.wpe.weight.numel()) + 12 * c.n_layer * c.n_embd * c.seq_len
+        looked_up = (self.wpe.weight.numel() if self.wpe is not None else 0) + (0 if c.tie_head else
+                                                                                self.wte.weight.numel())
+        return 6 * (self.num_params() - looked_up) + 12 * c.n_layer * c.n_head * c.head_dim * c.seq_len
 
     @classmethod
     def load(cls, path: str) -> "GPT":

@@ -71,8 +71,9 @@ def refused_layout(args: argparse.Namespace) -> str | None:
 
 def check_layout(args: argparse.Namespace, config: GPTConfig, world_size: int) -> None:
     """A layout that the ranks or the model cannot take, refused before anything is written (a ValueError,
-    one line): --tp must divide the ranks, and the heads (so the width), the vocabulary and the sequence,
-    which tensor_parallel() splits; hsdp's --shard_size must divide the data-parallel ranks; --pp × --tp must
+    one line): --tp must divide the ranks, and the heads (q's, and k's and v's: a rank keeps whole ones), the
+    width, the MLP's hidden units, the vocabulary and the sequence, which tensor_parallel() splits; hsdp's
+    --shard_size must divide the data-parallel ranks; --pp × --tp must
     divide the ranks, and the pipeline suit the model and the schedule (pipeline.check)."""
     if world_size % args.tp:
         raise ValueError(f"--tp {args.tp} does not divide the {world_size} ranks")
@@ -83,7 +84,7 @@ def check_layout(args: argparse.Namespace, config: GPTConfig, world_size: int) -
         raise ValueError(f"--shard_size {shard_size(args, world_size)} does not divide the {dp} data-parallel ranks")
     if args.pp > 1:
         pipeline.check(args, config)
-    for what in ("n_head", "n_embd", "vocab_size", "seq_len"):
+    for what in ("n_head", "n_kv_head", "n_embd", "ffn_hidden", "vocab_size", "seq_len"):
         if getattr(config, what) % args.tp:
             raise ValueError(f"--tp {args.tp} does not divide the model's {what}, {getattr(config, what)}")
 
@@ -127,7 +128,8 @@ def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespac
         model.to_empty(device=device)
         # From meta, to_empty gives each module a new Parameter (torch/nn/modules/module.py, Module._apply): the
         # tied head would be a matrix of its own. FSDP's DTensors are swapped in place, and stay tied.
-        model.lm_head.weight = model.wte.weight
+        if model.config.tie_head:
+            model.lm_head.weight = model.wte.weight
         if start is None:
             model.init_weights(args.seed)
         else:  # the same parameters, in the same order, as `order` names them
@@ -160,10 +162,11 @@ def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespac
         part.to_empty(device=device)
     if init:
         generator = torch.Generator().manual_seed(args.seed)
-        held = {}  # name: this rank's parameters of that name; a last stage's lm_head.weight is drawn as wte.weight
+        held = {}  # name: this rank's parameters of that name; a last stage's tied lm_head.weight, drawn as wte.weight
+        tied = model.config.tie_head
         for part in parts:
             for name, param in part.named_parameters():
-                held.setdefault("wte.weight" if name == "lm_head.weight" else name, []).append(param)
+                held.setdefault("wte.weight" if tied and name == "lm_head.weight" else name, []).append(param)
         with torch.no_grad():
             for name, shape in order:  # each full value drawn as GPT.init_weights does
                 full = (model.init_value(name, shape, generator) if start is None else start[name]).to(device)
@@ -210,19 +213,26 @@ def blocks(part: nn.Module) -> list[nn.Module]:
 
 
 def tensor_parallel(model: GPT | pipeline.Stage, mesh: DeviceMesh) -> None:
-    """Megatron's split of every matrix over the tp ranks, with sequence parallel: q, k, v and fc by
-    columns (each rank some heads, some hidden units), o and proj by rows, their outputs reduce-scattered
-    along the sequence; the norms and the residual stream hold 1/tp of the sequence, all-gathered before
-    attention and the MLP. The embeddings and the tied head are split over the vocabulary (wpe over the
-    positions), the cross-entropy computed on the vocabulary's shards (loss_context). Every parameter
+    """Megatron's split of every matrix over the tp ranks, with sequence parallel: q, k, v, fc and SwiGLU's gate
+    by columns (each rank some heads, some hidden units; under grouped-query attention q by its heads and k and v
+    by theirs, so that a rank's q heads find their k and v heads on it), o and proj by rows, their outputs
+    reduce-scattered along the sequence; the norms and the residual stream hold 1/tp of the sequence,
+    all-gathered before attention and the MLP (Qwen3's norms of q and k: a rank's heads, whole). The embeddings
+    and the head, tied or not, are split over the vocabulary (wpe over the positions), the cross-entropy computed
+    on the vocabulary's shards (loss_context). Every parameter
     becomes a DTensor on the tp mesh, so that optimizer.grad_norm sees one kind of tensor. DDP takes no DTensor
     parameters (torch composes the two only through a private transform, _pre_dp_module_transform in
     torch/distributed/tensor/parallel/ddp.py), so train.py refuses ddp × tp: fsdp × tp is the layout for it."""
     whole = tp.PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
-    plan = {"ln_1": tp.SequenceParallel(), "attn": whole, "ln_2": tp.SequenceParallel(), "mlp": whole,
+    plan = {"ln_1": tp.SequenceParallel(), "ln_2": tp.SequenceParallel(), "mlp": whole,
+            "attn": tp.PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
             "attn.q": tp.ColwiseParallel(), "attn.k": tp.ColwiseParallel(), "attn.v": tp.ColwiseParallel(),
             "attn.o": tp.RowwiseParallel(output_layouts=Shard(1)), "mlp.fc": tp.ColwiseParallel(),
             "mlp.proj": tp.RowwiseParallel(output_layouts=Shard(1))}
+    if model.config.family == "llama":
+        plan["mlp.gate"] = tp.ColwiseParallel()
+    if model.config.qk_norm:  # each (batch, seq, heads, head_dim) input holds this rank's heads: dimension 2 split
+        plan["attn.q_norm"] = plan["attn.k_norm"] = tp.SequenceParallel(sequence_dim=2, use_local_output=True)
     for block in blocks(model):
         tp.parallelize_module(block, mesh, plan)
     tp.parallelize_module(model, mesh, {name: style for name, style in {
@@ -230,10 +240,11 @@ def tensor_parallel(model: GPT | pipeline.Stage, mesh: DeviceMesh) -> None:
         "wpe": tp.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),  # (seq / tp, n_embd)
         "ln_f": tp.SequenceParallel(),
         "lm_head": tp.ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-    }.items() if hasattr(model, name)})  # a pipeline's stage: what it holds
+    }.items() if getattr(model, name, None) is not None})  # a pipeline's stage: what it holds; llama: no wpe
     if not isinstance(model, GPT):  # a stage: its head's logits go to pipeline.loss, under loss_parallel
         return
-    model.lm_head.weight = model.wte.weight  # parallelize_module made the tied matrix two: one again
+    if model.config.tie_head:
+        model.lm_head.weight = model.wte.weight  # parallelize_module made the tied matrix two: one again
     head_loss = model.head_loss
 
     def local_losses(x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -258,7 +269,7 @@ FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # the optimizer's st
 def state_dict(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
     """The checkpoint's state of this rank's parts (one model, or a pipeline's stages) and their optimizers,
     under the unstaged model's names: a last stage's head is lm_head.weight, and its optimizer state, as in one
-    process (where the tied matrix is listed once), wte.weight's."""
+    process (where the tied matrix is listed once), wte.weight's (an untied head's stays its own)."""
     state = {"model": {}, "optim": {}}
     for part, optimizer in zip(parts, optimizers, strict=True):
         model_state, optim_state = get_state_dict(part, optimizer, options=FLAT)
@@ -268,8 +279,8 @@ def state_dict(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) 
 
 
 def head_as_wte(name: str, part: nn.Module, back: bool = False) -> str:
-    """A last stage's optimizer-state name of lm_head.weight as wte.weight's (back: the other way)."""
-    if isinstance(part, GPT) or not hasattr(part, "lm_head"):
+    """A last stage's optimizer-state name of a tied lm_head.weight as wte.weight's (back: the other way)."""
+    if isinstance(part, GPT) or not hasattr(part, "lm_head") or not part.config.tie_head:
         return name
     old, new = ("wte.weight.", "lm_head.weight.") if back else ("lm_head.weight.", "wte.weight.")
     kind, _, rest = name.partition(".")  # state.<name>.<key> or param_groups.<name>.<key>
@@ -283,8 +294,8 @@ def load_state_dict(parts: list[nn.Module], optimizers: list[torch.optim.Optimiz
         # The head's state loaded under wte's names is copied: in a V, one rank holds both stages, and the two
         # optimizers would otherwise share (and each step) the same moments
         optim_state = {head_as_wte(name, part, back=True): value for name, value in state["optim"].items()}
-        optim_state.update({name: value.clone() for name, value in optim_state.items()
-                            if name.split(".")[1:3] == ["lm_head", "weight"] and isinstance(value, torch.Tensor)})
+        optim_state.update({name: value.clone() for name, value in optim_state.items() if part.config.tie_head
+                            and name.split(".")[1:3] == ["lm_head", "weight"] and isinstance(value, torch.Tensor)})
         set_state_dict(part, optimizer, model_state_dict={k: v for k, v in state["model"].items() if k in own},
                        optim_state_dict=optim_state, options=FLAT)
 

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, rotary
 from optimizer import clip, grad_norm
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -72,7 +72,7 @@ def check(args: argparse.Namespace, config: GPTConfig) -> None:
     stages, m = args.pp * stages_per_rank(args.pp_schedule), args.grad_accum
     if config.n_layer < stages:
         raise ValueError(f"--pp {args.pp} with --pp_schedule {args.pp_schedule} cuts the model into {stages} stages "
-                         f"of at least one block, and --model {args.model} has {config.n_layer}")
+                         f"of at least one block, and --model {args.model or args.init_from} has {config.n_layer}")
     least = stages if args.pp_schedule in ("1F1B", "DualPipeV") else 1  # torch's Schedule1F1B, ScheduleDualPipeV
     if m < least:
         raise ValueError(f"--pp_schedule {args.pp_schedule} at --pp {args.pp} ({stages} stages, {stages // args.pp} "
@@ -86,7 +86,7 @@ def check(args: argparse.Namespace, config: GPTConfig) -> None:
 
 class Stage(nn.Module):
     """One stage of the GPT, under the whole model's parameter names: blocks [a, b), the embeddings on the first
-    stage, the final norm and a head of its own on the last (lm_head.weight: the tied matrix's second copy)."""
+    stage, the final norm and the head on the last (a tied head's lm_head.weight: the tied matrix's second copy)."""
 
     def __init__(self, model: GPT, blocks: range, first: bool, last: bool) -> None:
         super().__init__()
@@ -96,13 +96,17 @@ class Stage(nn.Module):
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
         if last:
             self.ln_f = model.ln_f
-            self.lm_head = nn.Linear(model.config.n_embd, model.config.vocab_size, bias=False, device="meta")
+            self.lm_head = model.lm_head if not model.config.tie_head else nn.Linear(
+                model.config.n_embd, model.config.vocab_size, bias=False, device="meta")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # token ids (batch, seq), or the previous stage's output
+        # every token's position, the whole sequence's (under tp, a stage's input holds 1/tp of it)
+        positions = torch.arange(self.config.seq_len, device=x.device)
         if self.first:
-            x = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))
+            x = self.wte(x) + self.wpe(positions) if self.wpe is not None else self.wte(x)
+        rope = rotary(self.config, positions) if self.config.family == "llama" else None  # as GPT.embed
         for block in self.blocks.values():
-            x = block(x)
+            x = block(x, rope)
         return self.lm_head(self.ln_f(x)) if self.last else x  # the logits, or the activations to send
 
 
@@ -177,13 +181,14 @@ class Pipeline:
         self.first, self.last = 0 in ids, count - 1 in ids
         # The tied matrix: wte.weight on the first stage, lm_head.weight on the last. Its gradients are added
         # between the two ranks that hold them (the same rank in a V), the other dimensions' coordinates alike.
-        self.tied = [part.wte.weight for part in parts if part.first] + [part.lm_head.weight for part in parts
-                                                                           if part.last]
-        self.head = next((part.lm_head.weight for part in parts if part.last), None)
+        tied = parts[0].config.tie_head  # untied: the head is a matrix of its own, on the last stage only
+        self.tied = [part.wte.weight for part in parts if part.first and tied] + [
+            part.lm_head.weight for part in parts if part.last and tied]
+        self.head = next((part.lm_head.weight for part in parts if part.last and tied), None)
         self.tie_group = None
         ranks = mesh.mesh.reshape(mesh["pp"].size(), -1)  # (pp, the other dimensions' ranks)
         holders = (self.holder[0], self.holder[count - 1])
-        if holders[0] != holders[1]:
+        if holders[0] != holders[1] and tied:
             for column in range(ranks.shape[1]):  # every rank creates every group, in the same order
                 pair = dist.new_group([int(ranks[h, column]) for h in holders])
                 if dist.get_rank() in ranks[:, column][list(holders)].tolist():

@@ -74,7 +74,8 @@ class Help(argparse.RawTextHelpFormatter):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=Help)
-    p.add_argument("--model", choices=CONFIGS, default="tiny", help="the model's size (gpt/model.py CONFIGS)")
+    p.add_argument("--model", choices=CONFIGS, help="the model's family and shape (gpt/model.py CONFIGS; default: "
+                                                    "tiny, or --init_from's)")
     p.add_argument("--data", default="synthetic", help="synthetic, a text file, or a folder of shards:\n"
                                                        "nanoGPT's train.bin and val.bin, or llm.c's NAME_train_N.bin "
                                                        "and NAME_val_N.bin")
@@ -114,8 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="per block: keep only its input for backward and run it again there (full), or keep\n"
                         "the matrix products' and attention's results and recompute the rest (selective)")
     p.add_argument("--seed", type=int, default=0, help="the initial weights and the order of the batches")
-    p.add_argument("--init_from", metavar="DIR", help="start from a Hugging Face GPT-2 folder's weights (gpt/hf.py; "
-                   "a checkpoint in OUT_DIR comes first)")
+    p.add_argument("--init_from", metavar="DIR", help="start from a Hugging Face folder's model: GPT-2, Llama or "
+                   "Qwen3, its shape\nfrom its config.json (gpt/hf.py; a checkpoint in OUT_DIR comes first)")
     p.add_argument("--log_every", type=int, default=10, help="steps per log line (1: every step)")
     p.add_argument("--eval_every", type=int, default=100, help="steps between evaluations (and at the end)")
     p.add_argument("--val_tokens", type=int, default=32768, help="tokens evaluated, at most what the val split "
@@ -273,7 +274,7 @@ def resume(args: argparse.Namespace, checkpoints: Checkpoints, parts: list[torch
     folder, manifest = found
     if manifest["step"] > args.max_steps:
         raise ValueError(f"checkpoint {folder} is at step {manifest['step']}, beyond --max_steps {args.max_steps}")
-    if manifest.get("config") != asdict(config):
+    if not same_config(manifest.get("config"), config):
         raise ValueError(f"checkpoint {folder} is of another model ({manifest.get('config')}), not {asdict(config)}: "
                          "give another --out_dir, or the --model, --seq_len and data it was trained with")
     state = parallelize.state_dict(parts, optimizers)
@@ -304,6 +305,14 @@ def resume(args: argparse.Namespace, checkpoints: Checkpoints, parts: list[torch
         if changed:
             print(f"changed since that checkpoint, as asked: {', '.join(changed)}{lr}", flush=True)
     return manifest["step"]
+
+
+def same_config(saved: dict | None, config: GPTConfig) -> bool:
+    """Whether a checkpoint's config is the run's (one written before a field was added: that field's default)."""
+    try:
+        return GPTConfig(**saved) == config
+    except (TypeError, ValueError):
+        return False
 
 
 def train_step(model: torch.nn.Module | pipeline.Pipeline, optimizer: torch.optim.Optimizer,
@@ -384,7 +393,8 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
     if rank == 0:
         shape = " × ".join(f"{name} {n}" for name, n in zip(mesh.mesh_dim_names, mesh.shape, strict=True)) \
             if mesh is not None and mesh.ndim > 1 else ""
-        print(f"gpt {args.model} ({n_params / 1e6:.2f}M parameters) | {args.parallel} on {world_size} "
+        print(f"gpt {args.model or args.init_from} ({n_params / 1e6:.2f}M parameters) | {args.parallel} on "
+              f"{world_size} "
               f"rank{'s' if world_size > 1 else ''}{f' ({shape})' if shape else ''}"
               f"{f', schedule {args.pp_schedule}' if args.pp > 1 else ''}, {device.type}"
               f"{'' if args.activation_checkpoint == 'none' else f', {args.activation_checkpoint} checkpointing'} | "

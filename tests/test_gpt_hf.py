@@ -1,10 +1,14 @@
-"""gpt/hf.py, Hugging Face's GPT-2 format both ways. Out (hf.py export): a folder that transformers'
+"""gpt/hf.py, Hugging Face's formats both ways: GPT-2's, and the Llama family's (LlamaForCausalLM,
+Qwen3ForCausalLM). Out (hf.py export): a folder that transformers'
 GPT2LMHeadModel.from_pretrained loads, whose logits are gpt/'s (fp32, within 1e-5) for a model trained under ddp
 and one trained under fsdp 2 × tp 2 and read from its checkpoint folder; the head stays tied; a padded vocabulary
 is kept or cut, and said; bad input is one line. In (train.py --init_from): a model that transformers itself
 saved (random weights: no download), whose first step's loss is transformers' on the same batch, in one process
 and under fsdp 2 and pp 2 (tp lays out the same whole values, as for --seed's); export then import gives the same
-weights bit for bit; a folder that does not fit is one line and nothing is written."""
+weights bit for bit; a folder that does not fit is one line and nothing is written. The same for a tiny Llama
+(grouped-query, theta 500,000, Llama 3's scaling, an untied head, sharded into files with an index) and a tiny
+Qwen3 (QK-norm, heads of their own size, theta 1e6, tied), trained under ddp and fsdp 2 × tp 2, read under one
+process and fsdp 2 × tp 2."""
 import json
 import shutil
 import sys
@@ -17,7 +21,7 @@ from launch import REPO
 from test_errors import run_main
 from test_gpt import text_file  # noqa: F401 (a fixture: the README and docs as one file)
 from test_gpt_sample import import_gpt
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, Qwen3Config
 
 sys.path.insert(0, str(REPO))
 from gpt.data import batch_starts, load, windows  # noqa: E402
@@ -42,8 +46,9 @@ def logits(model: GPT | GPT2LMHeadModel, vocab: int, seq_len: int) -> torch.Tens
 
 
 def assert_same_model(folder: Path, ours: GPT) -> GPT2LMHeadModel:
-    theirs = GPT2LMHeadModel.from_pretrained(folder)
-    assert theirs.lm_head.weight.data_ptr() == theirs.transformer.wte.weight.data_ptr()  # tied, as ours
+    theirs = AutoModelForCausalLM.from_pretrained(folder)
+    tied = theirs.lm_head.weight.data_ptr() == theirs.get_input_embeddings().weight.data_ptr()
+    assert tied == ours.config.tie_head and type(theirs).__name__ == KINDS[ours.config.family, ours.config.qk_norm]
     c = ours.config
     expected = logits(ours, c.vocab_size, c.seq_len)
     assert expected.abs().max() > 0.1  # a model that says something, not zeros
@@ -51,12 +56,18 @@ def assert_same_model(folder: Path, ours: GPT) -> GPT2LMHeadModel:
     return theirs
 
 
+KINDS = {("gpt2", False): "GPT2LMHeadModel", ("llama", False): "LlamaForCausalLM", ("llama", True): "Qwen3ForCausalLM"}
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> dict[str, Path]:
     """{layout: folder} of 4-step runs, each with OUT_DIR (out/) and its --export (model.pt)."""
     folders = {}
     for name, nproc, layout in (("ddp 2", 2, ("--batch_size", "2", "--grad_accum", "3")),
-                                ("fsdp 2 × tp 2", 4, ("--parallel", "fsdp", "--tp", "2", "--batch_size", "6"))):
+                                ("fsdp 2 × tp 2", 4, ("--parallel", "fsdp", "--tp", "2", "--batch_size", "6")),
+                                ("llama ddp 2", 2, ("--batch_size", "2", "--grad_accum", "3", "--model", "llama-tiny")),
+                                ("qwen3 fsdp 2 × tp 2", 4, ("--parallel", "fsdp", "--tp", "2", "--batch_size", "6",
+                                                            "--model", "qwen3-tiny"))):
         folder = folders[name] = tmp_path_factory.mktemp("run")
         result = torchrun_in_process(nproc, "gpt/train.py", *ARGV, *layout, "--out_dir", "out", "--export",
                                      "model.pt", cwd=folder, timeout=120)
@@ -64,14 +75,17 @@ def trained(tmp_path_factory) -> dict[str, Path]:
     return folders
 
 
-@pytest.mark.parametrize("layout", ["ddp 2", "fsdp 2 × tp 2"])
+@pytest.mark.parametrize("layout", ["ddp 2", "fsdp 2 × tp 2", "llama ddp 2", "qwen3 fsdp 2 × tp 2"])
 def test_transformers_computes_the_logits_of_the_exported_model(layout, trained, tmp_path):
     """From the --export file, and from the checkpoint folder that the same run saved at its last step (DCP's
     shards, read whole in one process): the same file, and transformers' logits within 1e-5 of GPT.load's."""
     folder = trained[layout]
     said = export(str(folder / "model.pt"), str(tmp_path / "from_file"))
-    assert said == f"wrote {tmp_path / 'from_file'} from {folder / 'model.pt'}: GPT2LMHeadModel, 2 layers, vocab 64\n"
-    assert_same_model(tmp_path / "from_file", GPT.load(str(folder / "model.pt")))
+    ours = GPT.load(str(folder / "model.pt"))
+    kind = KINDS[ours.config.family, ours.config.qk_norm]
+    assert said == f"wrote {tmp_path / 'from_file'} from {folder / 'model.pt'}: {kind}, 2 layers, vocab 64\n"
+    assert kind == {"l": "LlamaForCausalLM", "q": "Qwen3ForCausalLM"}.get(layout[0], "GPT2LMHeadModel")
+    assert_same_model(tmp_path / "from_file", ours)
     assert f"from {folder / 'out' / 'step_00000004'}:" in export(str(folder / "out"), str(tmp_path / "from_out"))
     for name in ("model.safetensors", "config.json"):
         assert (tmp_path / "from_out" / name).read_bytes() == (tmp_path / "from_file" / name).read_bytes(), name
@@ -133,6 +147,66 @@ def theirs(tmp_path_factory) -> Path:
     shutil.copy(folder / "config.json", folder.parent / "bin")
     torch.save(model.state_dict(), folder.parent / "bin" / "pytorch_model.bin")
     return folder
+
+
+@pytest.fixture(scope="module")
+def llamas(tmp_path_factory) -> dict[str, Path]:
+    """{"llama": a LlamaForCausalLM (4 q heads on 2 k and v heads, theta 500,000, Llama 3's scaling from 16 original
+    positions, an untied head), "qwen3": a Qwen3ForCausalLM (QK-norm, heads of 32 on a width of 64, theta 1e6, a
+    tied head)}: over bytes (vocab 256), random weights, saved by transformers (the embedding and the head, untied,
+    25 times its scale); the Llama in shards of at most 200 KB with their index (model.safetensors.index.json)."""
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+    configs = {"llama": LlamaConfig(**common, rms_norm_eps=1e-5, tie_word_embeddings=False, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}),
+        "qwen3": Qwen3Config(**common, head_dim=32, tie_word_embeddings=True,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})}
+    folders = {}
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(25)  # logits far from uniform: the head's too, where untied
+            if not config.tie_word_embeddings:
+                model.get_output_embeddings().weight.mul_(25)
+            for param in model.parameters():  # the norms' gains off 1, so that a norm left out shows
+                if param.ndim == 1:
+                    param.add_(torch.rand_like(param) - 0.5)
+        folders[name] = tmp_path_factory.mktemp("hf") / name
+        model.save_pretrained(folders[name], **({"max_shard_size": "200KB"} if name == "llama" else {}))
+    assert (folders["llama"] / "model.safetensors.index.json").exists()
+    return folders
+
+
+def first_loss(nproc: int, folder: Path, text_file: Path, tmp_path: Path, *layout: str) -> float:  # noqa: F811
+    """Step 1's logged loss (before its update) from --init_from FOLDER, after checking that it is transformers'
+    cross-entropy over the same 8 windows (data.batch_starts, a function of the seed and the step alone), to
+    fp32's rounding."""
+    result = torchrun_in_process(nproc, "gpt/train.py", "--data", str(text_file), "--init_from", str(folder),
+                                 "--seq_len", "32", "--max_steps", "1", "--log_every", "1", "--eval_every", "100",
+                                 *layout, "--out_dir", "out", cwd=tmp_path, timeout=120)
+    assert result.codes == [0] * nproc, result.stderr
+    assert f"| weights from {folder}" in result.stdouts[0]
+    logged = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    tokens = load(str(text_file), None, None)
+    x, y = windows(tokens.train, batch_starts(0, 0, len(tokens.train), 32, 8), 32, torch.device("cpu"))
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(folder).eval()(x).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).item()
+    assert logged == pytest.approx(expected, rel=1e-5, abs=0)
+    return logged
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize(("nproc", "layout"), [
+    (1, ("--batch_size", "4", "--grad_accum", "2")),
+    (4, ("--parallel", "fsdp", "--tp", "2", "--batch_size", "2", "--grad_accum", "2"))], ids=["one process",
+                                                                                             "fsdp 2 × tp 2"])
+def test_the_first_loss_from_a_llama_or_qwen3_is_transformers_loss(family, nproc, layout, llamas, text_file,  # noqa: F811
+                                                                    tmp_path):
+    """The shape from the folder's config.json (no --model): transformers' loss, and far from a fresh model's."""
+    assert first_loss(nproc, llamas[family], text_file, tmp_path, *layout) > 6.5  # a fresh one's: about ln 256 = 5.5
 
 
 @pytest.mark.parametrize(("nproc", "layout"), [
@@ -197,6 +271,50 @@ def test_export_then_import_gives_back_the_same_weights_bit_for_bit(trained, the
     assert all(torch.equal(safetensors[name], pickled[name]) for name in safetensors)
 
 
+@pytest.mark.parametrize("layout", ["llama ddp 2", "qwen3 fsdp 2 × tp 2"])
+def test_a_llama_or_qwen3_goes_out_and_back_bit_for_bit(layout, trained, llamas, tmp_path):
+    """gpt/ to transformers and back (a trained model); and transformers' own folder to gpt/ and back out: the
+    same tensors under the same names (the Llama's shards written as one file)."""
+    hf = import_gpt("hf")
+    export(str(trained[layout] / "model.pt"), str(tmp_path / "hf"))
+    ours = GPT.load(str(trained[layout] / "model.pt"))
+    back = hf.from_hf(str(tmp_path / "hf"), ours.config)
+    assert back.keys() == ours.state_dict().keys()
+    assert all(torch.equal(back[name], tensor) for name, tensor in ours.state_dict().items())
+    folder = llamas[layout.split()[0]]
+    config = import_gpt("model").GPTConfig(256, 32, **hf.shape(str(folder)))
+    out = hf.to_hf(hf.from_hf(str(folder), config), config)
+    theirs = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    if config.tie_head:
+        del theirs["lm_head.weight"]  # the embedding's matrix: written once
+    assert out.keys() == theirs.keys() and all(torch.equal(out[name], theirs[name]) for name in out)
+
+
+@pytest.mark.parametrize(("family", "change", "argv", "error"), [
+    ("llama", {"attention_bias": True}, [], "a llama model with attention_bias (config.json), which gpt/ lacks"),
+    ("llama", {"hidden_act": "gelu"}, [], "a llama model with hidden_act 'gelu' (config.json), which gpt/ lacks"),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, [],
+     "a llama model with rope_type 'yarn' (config.json), which gpt/ lacks"),
+    ("qwen3", {"use_sliding_window": True}, [], "a qwen3 model with sliding-window attention (config.json), which "
+                                                "gpt/ lacks"),
+    ("llama", {"model_type": "mistral"}, [], "a 'mistral' model (config.json): gpt/ reads gpt2, llama and qwen3"),
+    ("llama", {}, ["--model", "llama-mini"], "its n_layer is 2, --model llama-mini's 4"),
+    ("qwen3", {}, ["--model", "llama-tiny"], "its head_dim is 32, --model llama-tiny's 16"),
+    ("llama", {"vocab_size": 300}, [], "its vocab is 300, and the run's 256 (--vocab_size)"),
+], ids=["bias", "gelu", "yarn", "sliding", "mistral", "model-layers", "model-heads", "vocab"])
+def test_a_llama_folder_that_gpt_does_not_hold_is_one_line_and_nothing_is_written(family, change, argv, error,
+                                                                                   llamas, text_file,  # noqa: F811
+                                                                                   tmp_path):
+    folder = tmp_path / "hf"
+    shutil.copytree(llamas[family], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    result = torchrun_in_process(1, "gpt/train.py", "--data", str(text_file), "--init_from", str(folder), *argv,
+                                 "--seq_len", "32", "--max_steps", "1", "--out_dir", "out", cwd=tmp_path, timeout=60)
+    assert result.codes == [1] and result.stderr.strip() == f"error: --init_from {folder}: {error}", result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_padded_run_starts_with_padding_rows_that_take_no_mass(theirs):
     """--vocab_size 320 over a model of 256: rows 256 to 319 are the mean of the others, the first 256 theirs."""
     state = import_gpt("hf").from_hf(str(theirs), GPTConfig(vocab_size=320, seq_len=32, n_layer=2, n_head=2,
@@ -207,14 +325,15 @@ def test_a_padded_run_starts_with_padding_rows_that_take_no_mass(theirs):
 
 
 @pytest.mark.parametrize(("change", "error"), [
-    ({"model_type": "llama"}, "a 'llama' model (config.json), not GPT-2's"),
-    ({"n_layer": 3}, "its n_layer is 3, --model's 2"),
+    ({"model_type": "bert"}, "a 'bert' model (config.json): gpt/ reads gpt2, llama and qwen3"),
+    ({"n_layer": 3}, "its n_layer is 3, --model tiny's 2"),
     ({"vocab_size": 300}, "64 positions and vocab 300, where the run needs 32 positions or more (--seq_len) and a "
                           "vocab of 256 or less"),
-    ({"activation_function": "relu"}, "GPT-2 with another activation or an untied head, which gpt/ lacks"),
+    ({"activation_function": "relu"}, "a gpt2 model with another activation or an untied head (config.json), which "
+                                      "gpt/ lacks"),
     (None, "No such file or directory: not a Hugging Face model folder"),
     ("no weights", "neither model.safetensors nor pytorch_model.bin"),
-], ids=["llama", "layers", "vocab", "relu", "no folder", "no weights"])
+], ids=["bert", "layers", "vocab", "relu", "no folder", "no weights"])
 def test_a_folder_that_does_not_fit_is_one_line_and_nothing_is_written(change, error, theirs, text_file,  # noqa: F811
                                                                         tmp_path):
     folder = tmp_path / "hf"
@@ -224,7 +343,8 @@ def test_a_folder_that_does_not_fit_is_one_line_and_nothing_is_written(change, e
         (folder / "config.json").write_text(json.dumps({**config, **(change if isinstance(change, dict) else {})}))
         if change != "no weights":
             shutil.copy(theirs / "model.safetensors", folder)
-    result = torchrun_in_process(1, "gpt/train.py", "--data", str(text_file), "--init_from", str(folder),
-                                 "--seq_len", "32", "--max_steps", "1", "--out_dir", "out", cwd=tmp_path, timeout=60)
+    result = torchrun_in_process(1, "gpt/train.py", "--data", str(text_file), "--init_from", str(folder), "--model",
+                                 "tiny", "--seq_len", "32", "--max_steps", "1", "--out_dir", "out", cwd=tmp_path,
+                                 timeout=60)
     assert result.codes == [1] and result.stderr.strip() == f"error: --init_from {folder}: {error}", result.stderr
     assert not (tmp_path / "out").exists()
