@@ -151,7 +151,7 @@ def arguments_and_data(args: argparse.Namespace, world_size: int) -> tuple[data.
     try:
         tokens = data.load(args.data, args.vocab_size, args.data_dtype)
         # the shape: --model's, else --init_from's (its config.json), else tiny's; both: they must agree (hf.check)
-        shape = hf.shape(args.init_from) if args.init_from and not args.model else CONFIGS[args.model or "tiny"]
+        shape = hf.shape(args.init_from) if not args.model else CONFIGS[args.model]
         config = GPTConfig(vocab_size=tokens.vocab_size, seq_len=args.seq_len, **shape)
         if args.init_from:
             hf.check(args.init_from, config, args.model)  # its config.json and files: the weights read after the lock

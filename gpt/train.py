@@ -134,6 +134,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", type=steps_range, metavar="A:B", help="write a torch.profiler trace of steps A to B "
                                                                       "per rank to OUT_DIR/profile (Perfetto opens it)")
     args = p.parse_args(argv)
+    if args.model is None and args.init_from is None:
+        args.model = "tiny"
     for name in ("max_steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_every", "val_tokens",
                  "vocab_size", "keep"):
         if getattr(args, name) is not None and getattr(args, name) < 1:

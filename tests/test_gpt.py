@@ -235,12 +235,14 @@ def assert_bit_for_bit(reference, other, what: str) -> None:
                                                           for k in reference[1]), what
 
 
+@pytest.mark.parametrize("shape", ["tiny", "qwen3-tiny"])
 @pytest.mark.parametrize("mode", ["none", "full", "selective"])
-def test_compile_traces_every_block_checkpointed_or_not(mode):
+def test_compile_traces_every_block_checkpointed_or_not(mode, shape):
     """--compile compiles each block under --activation_checkpoint too: dynamo traces its forward, the checkpoint in
     it as one operation whose body is the block's (with the block a functools.partial of checkpoint, dynamo found no
     frame to trace, and every block ran eager). A backend that keeps what dynamo traced and runs it, with no code
-    generation: one graph, the block's operations in it, and the same loss and gradients as eager."""
+    generation: one graph, the block's operations in it, and the same loss and gradients as eager. GPT-2's block,
+    and the Llama family's (qwen3-tiny: RMSNorm, SwiGLU, QK-norm, the rotary tables an input of the block's)."""
     parallelize = import_gpt("parallelize")
     graphs, calls = [], []
 
@@ -253,8 +255,8 @@ def test_compile_traces_every_block_checkpointed_or_not(mode):
         return run
 
     torch.manual_seed(0)
-    eager = GPT(GPTConfig(vocab_size=64, seq_len=16, **CONFIGS["tiny"]))
-    compiled = GPT(GPTConfig(vocab_size=64, seq_len=16, **CONFIGS["tiny"]))
+    eager = GPT(GPTConfig(vocab_size=64, seq_len=16, **CONFIGS[shape]))
+    compiled = GPT(GPTConfig(vocab_size=64, seq_len=16, **CONFIGS[shape]))
     compiled.load_state_dict(eager.state_dict())
     torch._dynamo.reset()
     for model in (eager, compiled):
@@ -268,7 +270,8 @@ def test_compile_traces_every_block_checkpointed_or_not(mode):
     assert len(graphs) == 1 and calls == [1, 1]  # each block runs it: the same code, dynamo's guards let it reuse it
     ops = {getattr(node.target, "__name__", str(node.target)) for module in graphs[0].modules()
            for node in module.graph.nodes if node.op == "call_function"}  # a checkpoint's body is a module of it
-    assert {"linear", "scaled_dot_product_attention", "gelu", "layer_norm"} <= ops, ops
+    block_ops = {"gelu", "layer_norm"} if shape == "tiny" else {"silu", "rms_norm", "cat"}  # cat: the rotation
+    assert {"linear", "scaled_dot_product_attention", *block_ops} <= ops, ops
     assert ("tag_activation_checkpoint" in ops) == (mode != "none"), ops
     assert torch.equal(*losses)
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):

@@ -3,7 +3,12 @@ for GPT-2, with the same data, steps and tolerances. llama-tiny holds grouped-qu
 v heads), Llama 3's scaled rotary frequencies and an untied head; qwen3-tiny QK-norm, heads of 32 on a width of 64
 (not width / heads) and a tied head; llama-mini's 4 blocks take the schedules of two stages a rank. transformers'
 own Llama and Qwen3 against gpt/'s: tests/test_gpt_hf.py."""
+import json
+import shutil
+
 import pytest
+import torch
+from harness import torchrun_in_process
 from test_gpt import (
     ARGV,
     SPLITS,
@@ -67,7 +72,7 @@ def test_the_families_differ_by_their_options_and_keep_gpt2s_names():
     norms where QK-norm is on, an lm_head of its own where untied; the parameter counts of the published shapes
     (Llama 3.2 1B, Llama 3.1 8B, Qwen3 0.6B and 8B, at their vocabularies: the hub's figures)."""
     def names(model: str) -> set[str]:
-        with __import__("torch").device("meta"):
+        with torch.device("meta"):
             return {n.split(".", 2)[-1] if n.startswith("blocks.") else n
                     for n, _ in GPT(GPTConfig(64, 32, **CONFIGS[model])).named_parameters()}
     assert names("tiny") == {"wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias", *(
@@ -77,7 +82,6 @@ def test_the_families_differ_by_their_options_and_keep_gpt2s_names():
                                                                      "attn.o", "mlp.gate", "mlp.fc", "mlp.proj"))}
     assert names("llama-tiny") == llama | {"lm_head.weight"}
     assert names("qwen3-tiny") == llama | {"attn.q_norm.weight", "attn.k_norm.weight"}
-    import torch
     published = {"llama3.2-1b": (128256, 1_235_814_400), "llama3.1-8b": (128256, 8_030_261_248),
                  "qwen3-0.6b": (151936, 596_049_920), "qwen3-8b": (151936, 8_190_735_360)}
     for model, (vocab, count) in published.items():
@@ -90,7 +94,6 @@ def test_the_families_differ_by_their_options_and_keep_gpt2s_names():
     (2, "llama-tiny", ["--tp", "2", "--seq_len", "33"], "--tp 2 does not divide the model's seq_len, 33"),
 ], ids=["kv-heads", "seq"])
 def test_tp_refuses_a_degree_that_does_not_divide_the_kv_heads(nproc, model, argv, error, tmp_path):
-    from harness import torchrun_in_process
     result = torchrun_in_process(nproc, "gpt/train.py", "--parallel", "fsdp", "--model", model, *argv, "--max_steps",
                                  "1", cwd=tmp_path, timeout=60)
     assert result.codes == [1] * nproc and "Traceback" not in result.stderr, result.stderr
@@ -106,3 +109,34 @@ def test_a_checkpoint_written_before_the_families_resumes():
                               "dropout": 0.0}, config)
     assert not train.same_config({"vocab_size": 64, "seq_len": 32, **CONFIGS["llama-tiny"]}, config)
     assert not train.same_config({"no such": 1}, config)
+
+
+@pytest.mark.parametrize("model", ["llama-tiny", "qwen3-tiny"])
+def test_a_checkpoint_resumes_bit_for_bit_in_its_layout_and_within_1e_5_in_one_process(model, tmp_path):
+    """8 steps at pp 2 × tp 2 (4 ranks: the untied head on the last stage only, tp's k and v heads), a checkpoint at
+    step 4; that step resumed by the same command (every record after it the same, bit for bit, and the exported
+    weights), and by one process (DCP reshards: within 1e-5, a sum split otherwise)."""
+    argv = [*ARGV, "--model", model, "--save_every", "4", "--export", "model.pt"]
+    layout = ["--parallel", "fsdp", "--pp", "2", "--tp", "2", "--batch_size", "6", "--grad_accum", "2"]
+    runs = {}
+    for name, nproc, more in (("whole", 4, layout), ("same", 4, layout), ("one", 1, ["--batch_size", "2",
+                                                                                    "--grad_accum", "6"])):
+        folder = tmp_path / name
+        folder.mkdir()
+        if name != "whole":
+            shutil.copytree(tmp_path / "whole" / "out" / "step_00000004", folder / "out" / "step_00000004")
+        result = torchrun_in_process(nproc, "gpt/train.py", *argv, *more, cwd=folder, timeout=120)
+        assert result.codes == [0] * nproc, result.stderr
+        assert (name == "whole") != ("resuming from out/step_00000004: step 4 of 8" in result.stdouts[0])
+        runs[name] = [{k: v for k, v in json.loads(line).items() if k in ("step", "loss", "grad_norm", "val_loss")}
+                      for line in (folder / "out" / "metrics.jsonl").read_text().splitlines()]
+    after = [r for r in runs["whole"] if r["step"] > 4]
+    assert [r for r in runs["same"] if r["step"] > 4] == after
+    exported = {name: GPT.load(str(tmp_path / name / "model.pt")).state_dict() for name in ("whole", "same", "one")}
+    assert all(torch.equal(exported["same"][k], v) for k, v in exported["whole"].items())
+    one = [r for r in runs["one"] if r["step"] > 4]
+    assert [r["step"] for r in one] == [r["step"] for r in after]
+    for mine, theirs in zip(one, after, strict=True):
+        for key in mine.keys() - {"step"}:
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=0), (mine, theirs)
+

@@ -237,3 +237,50 @@ def test_plot_draws_each_layouts_bytes_from_simulate_json(tmp_path):
             for i in range(len(LAYOUTS))]
     for top, file in zip(tops, files, strict=True):
         assert math.isclose(top, sum(json.loads(file.read_text())[0]["held"].values()) / 2**30, rel_tol=1e-9)
+
+
+def llama_shapes(config: GPTConfig) -> dict[str, tuple[int, bool]]:
+    """The Llama family's parameters: {name: (size, whether tp splits it)}, written out from gpt/model.py's shapes:
+    q and o of n_head heads, k and v of n_kv_head, SwiGLU's three matrices, the norms' gains (QK-norm's of head_dim,
+    whole on every tp rank), an untied head of its own (split by tp over the vocabulary, as the embedding)."""
+    h, v, f = config.n_embd, config.vocab_size, config.ffn_hidden
+    q, kv = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
+    block = {"ln_1.weight": (h, False), "ln_2.weight": (h, False), "attn.q.weight": (q * h, True),
+             "attn.k.weight": (kv * h, True), "attn.v.weight": (kv * h, True), "attn.o.weight": (h * q, True),
+             "mlp.gate.weight": (f * h, True), "mlp.fc.weight": (f * h, True), "mlp.proj.weight": (h * f, True),
+             **({"attn.q_norm.weight": (config.head_dim, False), "attn.k_norm.weight": (config.head_dim, False)}
+                if config.qk_norm else {})}
+    head = {} if config.tie_head else {"lm_head.weight": (v * h, True)}
+    return {"wte.weight": (v * h, True), "ln_f.weight": (h, False), **head,
+            **{f"blocks.{i}.{k}": n for i in range(config.n_layer) for k, n in block.items()}}
+
+
+def llama_bytes(config: GPTConfig, mesh: dict[str, int]) -> int:
+    """Rank 0's parameters' bytes in fp32: each parameter's tp share, then FSDP's shard of it (every size divides)."""
+    tp, shard = mesh.get("tp", 1), mesh.get("shard", 1)
+    return sum(4 * n // (tp if split else 1) // shard for n, split in llama_shapes(config).values())
+
+
+@pytest.mark.parametrize("model", ["llama-tiny", "qwen3-tiny"])
+def test_the_llama_family_is_simulated_as_a_real_run_holds_and_sends_it(model):
+    """fsdp 2 × tp 2 on 4 real ranks and simulated: every rank's bytes and collectives equal; the bytes held equal
+    the shapes' (the smaller k and v, SwiGLU's three matrices, llama-tiny's untied head, qwen3-tiny's QK-norm)."""
+    argv = ["--model", model, "--vocab_size", "64", "--seq_len", "32", "--batch_size", "2", "--parallel", "fsdp",
+            "--tp", "2"]
+    real = torchrun_in_process(4, SIMULATE, *argv, "--json", timeout=120)
+    assert real.codes == [0] * 4, real.stderr
+    counted = json.loads(real.stdouts[0])
+    assert counted == simulated(4, *argv, "--every_rank")
+    params = llama_bytes(GPTConfig(vocab_size=64, seq_len=32, **CONFIGS[model]), counted[0]["mesh"])
+    assert counted[0]["held"] == {"parameters": params, "gradients": params, "optimizer": 2 * params}
+
+
+def test_llama_3_1_8b_at_1024_ranks_holds_what_its_shapes_say():
+    """Llama 3.1 8B (vocab 128256, 8192 tokens) on hsdp 16 × 16 × tp 4: rank 0 holds 1/64 of its 8.03B weights."""
+    (figures,) = simulated(1024, "--model", "llama3.1-8b", "--vocab_size", "128256", "--seq_len", "8192", "--parallel",
+                           "hsdp", "--shard_size", "16", "--tp", "4", "--batch_size", "1", "--precision", "bf16")
+    assert figures["mesh"] == {"replicate": 16, "shard": 16, "tp": 4}
+    config = GPTConfig(vocab_size=128256, seq_len=8192, **CONFIGS["llama3.1-8b"])
+    assert figures["held"]["parameters"] == llama_bytes(config, figures["mesh"])
+    assert sum(n for n, _ in llama_shapes(config).values()) == 8_030_261_248  # the hub's count for the model
+    assert figures["sent"]["replicate"]["all-reduce"][1] == figures["held"]["parameters"]  # the gradients' shard, fp32
