@@ -125,7 +125,7 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(c.head_dim, eps=c.norm_eps) if c.qk_norm else None
         self.k_norm = nn.RMSNorm(c.head_dim, eps=c.norm_eps) if c.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: tuple | None) -> torch.Tensor:  # x: (batch, seq, n_embd)
+    def forward(self, x: torch.Tensor, rope: tuple | None = None) -> torch.Tensor:  # x: (batch, seq, n_embd)
         batch, seq, _ = x.shape
         # (batch, seq, heads, head_dim); -1 heads: under tensor parallel a rank holds only some
         q, k, v = (proj(x).view(batch, seq, -1, self.head_dim) for proj in (self.q, self.k, self.v))
@@ -166,7 +166,8 @@ class Block(nn.Module):
         self.attn_dropout, self.mlp_dropout = nn.Dropout(config.dropout), nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple | None = None) -> torch.Tensor:
-        x = x + self.attn_dropout(self.attn(self.ln_1(x), rope))
+        # rope by keyword: a forward pre-hook (tensor parallel's, the lessons') sees and replaces x alone
+        x = x + self.attn_dropout(self.attn(self.ln_1(x), rope=rope))
         return x + self.mlp_dropout(self.mlp(self.ln_2(x)))
 
 
@@ -188,7 +189,7 @@ class GPT(nn.Module):
         (batch × seq). `positions` (seq,): the tokens' places in their sequence, 0 to seq - 1 unless given."""
         x, rope = self.embed(idx, positions)
         for block in self.blocks:
-            x = block(x, rope)
+            x = block(x, rope=rope)
         if targets is None:
             return self.lm_head(self.ln_f(x))
         return self.head_loss(x, targets)

@@ -202,8 +202,8 @@ def checkpointed(forward, policy: dict):
     """forward under checkpoint(), in a function of this file: --compile's dynamo starts at the first frame it may
     trace, and traces the checkpoint in it as one operation. A functools.partial of checkpoint itself has no such
     frame (checkpoint is marked @torch._disable_dynamo, torch 2.13): the whole block ran uncompiled."""
-    def run(*args):
-        return checkpoint(forward, *args, use_reentrant=False, **policy)
+    def run(*args, **kwargs):  # kwargs: the rotary tables
+        return checkpoint(forward, *args, use_reentrant=False, **policy, **kwargs)
     return run
 
 
@@ -224,8 +224,7 @@ def tensor_parallel(model: GPT | pipeline.Stage, mesh: DeviceMesh) -> None:
     parameters (torch composes the two only through a private transform, _pre_dp_module_transform in
     torch/distributed/tensor/parallel/ddp.py), so train.py refuses ddp × tp: fsdp × tp is the layout for it."""
     whole = tp.PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
-    plan = {"ln_1": tp.SequenceParallel(), "ln_2": tp.SequenceParallel(), "mlp": whole,
-            "attn": tp.PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+    plan = {"ln_1": tp.SequenceParallel(), "attn": whole, "ln_2": tp.SequenceParallel(), "mlp": whole,
             "attn.q": tp.ColwiseParallel(), "attn.k": tp.ColwiseParallel(), "attn.v": tp.ColwiseParallel(),
             "attn.o": tp.RowwiseParallel(output_layouts=Shard(1)), "mlp.fc": tp.ColwiseParallel(),
             "mlp.proj": tp.RowwiseParallel(output_layouts=Shard(1))}

@@ -106,7 +106,7 @@ class Stage(nn.Module):
             x = self.wte(x) + self.wpe(positions) if self.wpe is not None else self.wte(x)
         rope = rotary(self.config, positions) if self.config.family == "llama" else None  # as GPT.embed
         for block in self.blocks.values():
-            x = block(x, rope)
+            x = block(x, rope=rope)
         return self.lm_head(self.ln_f(x)) if self.last else x  # the logits, or the activations to send
 
 
