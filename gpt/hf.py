@@ -211,13 +211,13 @@ def from_hf(folder: str, config: GPTConfig) -> dict[str, torch.Tensor]:
     return {name: tensor.float().contiguous() for name, tensor in state.items()}
 
 
-def hf_config(config: GPTConfig, eot: int | None = None) -> dict:
+def hf_config(config: GPTConfig, eot: int | None = None, bos: int | None = None) -> dict:
     """config.json for GPT2LMHeadModel: GPT-2's choices where gpt/model.py makes the same (tanh GELU, LayerNorm's
     eps 1e-5, attention scaled by 1/sqrt(head_dim), tied head); for the Llama family, LlamaForCausalLM's, or
     Qwen3ForCausalLM's with QK-norm. `eot`: the end-of-text id of prepare.py's tokenizer, else GPT-2's where the
-    vocab is GPT-2's size or more."""
+    vocab is GPT-2's size or more; `bos`: its begin-of-text id where it has one (Llama 3's), else eot."""
     if config.family == "llama":
-        return llama_config(config, eot)
+        return llama_config(config, eot, eot if bos is None else bos)
     eot = eot if eot is not None else GPT2_VOCAB - 1 if config.vocab_size >= GPT2_VOCAB else None
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config.vocab_size,
             "n_positions": config.seq_len, "n_embd": config.n_embd, "n_layer": config.n_layer,
@@ -227,7 +227,7 @@ def hf_config(config: GPTConfig, eot: int | None = None) -> dict:
             "tie_word_embeddings": True, "bos_token_id": eot, "eos_token_id": eot, "dtype": "float32"}
 
 
-def llama_config(config: GPTConfig, eot: int | None) -> dict:
+def llama_config(config: GPTConfig, eot: int | None, bos: int | None) -> dict:
     """config.json for LlamaForCausalLM, or Qwen3ForCausalLM where QK-norm is on, in transformers 5's terms
     (rope_parameters). max_position_embeddings: the run's --seq_len, or where Llama 3's scaling reaches (the original
     length × its factor) if more: transformers warns of an original length not below it."""
@@ -244,7 +244,7 @@ def llama_config(config: GPTConfig, eot: int | None) -> dict:
             "rms_norm_eps": c.norm_eps, "rope_parameters": rope, "attention_bias": False,
             "attention_dropout": c.dropout,
             **({"mlp_bias": False} if kind == "llama" else {"use_sliding_window": False}),
-            "tie_word_embeddings": c.tie_head, "initializer_range": 0.02, "bos_token_id": eot, "eos_token_id": eot,
+            "tie_word_embeddings": c.tie_head, "initializer_range": 0.02, "bos_token_id": bos, "eos_token_id": eot,
             "dtype": "float32"}
 
 
@@ -300,7 +300,8 @@ def export(source: str, dest: str, vocab_size: int | None) -> str:
     os.makedirs(dest, exist_ok=True)
     save_file(to_hf(state, config), os.path.join(dest, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(dest, "config.json"), "w") as file:
-        json.dump(hf_config(config, tokenizer and tokenizer["eot"]), file, indent=2)
+        json.dump(hf_config(config, tokenizer and tokenizer["eot"], tokenizer and tokenizer.get("bos")), file,
+                  indent=2)
     said += tokenizer_files(tokenizer, dest, config.seq_len)
     kind = hf_config(config)["architectures"][0]
     return f"wrote {dest} from {source}: {kind}, {config.n_layer} layers, {said}"
@@ -318,13 +319,15 @@ def tokenizer_files(tokenizer: dict | None, dest: str, positions: int) -> str:
         text = tokenizer["json"] if tokenizer["kind"] == "tokenizers" else from_tiktoken(tokenizer["name"])
     except ImportError as error:  # one line, as the other extras say it
         raise ValueError(f"its tokenizer needs {error.name}: pip install -r requirements-hf.txt") from None
-    eot = tokenizers.Tokenizer.from_str(text).id_to_token(tokenizer["eot"])
+    own = tokenizers.Tokenizer.from_str(text)
+    eot, bos = own.id_to_token(tokenizer["eot"]), own.id_to_token(tokenizer.get("bos", tokenizer["eot"]))
     with open(os.path.join(dest, "tokenizer.json"), "w", encoding="utf-8") as file:
         file.write(text)
     with open(os.path.join(dest, "tokenizer_config.json"), "w") as file:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eot, "bos_token": eot,
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eot, "bos_token": bos,
                    "model_max_length": positions}, file, indent=2)
-    return f"; tokenizer.json ({os.path.basename(tokenizer['name'])}, end of text {eot!r})"
+    begin = f", begin of text {bos!r}" if "bos" in tokenizer else ""
+    return f"; tokenizer.json ({os.path.basename(tokenizer['name'])}, end of text {eot!r}{begin})"
 
 
 def from_tiktoken(name: str) -> str:

@@ -5,11 +5,13 @@
 
 INPUT: text files, folders (their .txt, .md and .jsonl files, in name order) and JSON lines (.jsonl: one document a
 line, its --text_field), or --dataset: a Hugging Face data set, a hub name or a folder of its files, streamed in
-order. A text file is one document. Each document is tokenized with an end-of-text token before
-it, and the stream cut into llm.c's shards, as its fineweb.py cuts them: NAME_val_000000.bin holds the first
---val_tokens tokens, NAME_train_000001.bin and on the rest, --shard_tokens each (the last shorter); NAME is
---out_dir's last part. Their header (gpt/data.py reads both): magic 20240520 version 1 and uint16 ids where every
-id of the tokenizer fits (a vocabulary of at most 65,536), else magic 20240801 version 7 and uint32.
+order. A text file is one document. Each document is tokenized with an end-of-text token before it (GPT-2's and
+Qwen3's way); with a tokenizer that has a begin-of-text token (Llama 3's <|begin_of_text|>), between that token and
+the end-of-text one (<|end_of_text|>), as torchtitan's Llama 3 data are. Then the stream is cut into llm.c's shards,
+as its fineweb.py cuts them: NAME_val_000000.bin holds the first --val_tokens tokens, NAME_train_000001.bin and on
+the rest, --shard_tokens each (the last shorter); NAME is --out_dir's last part. Their header (gpt/data.py reads
+both): magic 20240520 version 1 and uint16 ids where every id of the tokenizer fits (a vocabulary of at most
+65,536), else magic 20240801 version 7 and uint32.
 
 --tokenizer: a tiktoken encoding by name (gpt2, cl100k_base, o200k_base, or one a tiktoken_ext plugin adds), or
 a Hugging Face tokenizer.json (a file, or a hub name such as openai-community/gpt2, which needs the network).
@@ -44,6 +46,7 @@ HEADER = {np.uint16: (20240520, 1), np.uint32: (20240801, 7)}  # llm.c's magic a
 RECORD, TOKENIZER_FILE = "prepare.json", "tokenizer.json"  # read by gpt/data.py's tokenizer_of
 LOCK = "prepare.lock"  # held by the one prepare.py that writes the folder
 EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")  # GPT-2 and OpenAI's, Llama 3, Llama 2, Gemma
+BOS_NAMES = ("<|begin_of_text|>",)  # Llama 3's: each document then begins with it and ends with the end of text
 INSTALL = "pip install -r requirements-hf.txt"
 TEXT = (".txt", ".md", ".jsonl")  # what a folder's files are read
 
@@ -74,8 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def load_tokenizer(spec: str, eot_name: str | None = None) -> dict:
-    """The record of a tokenizer: kind, name, vocab_size, eot (and json, the file's text, for Hugging Face's),
-    from which codec() builds it again in any process. ValueError in one line where it cannot be had."""
+    """The record of a tokenizer: kind, name, vocab_size, eot, bos where it has a begin-of-text token (and json, the
+    file's text, for Hugging Face's), from which codec() builds it again in any process. ValueError in one line
+    where it cannot be had."""
     if os.path.isfile(spec) or spec.endswith(".json"):
         try:
             with open(spec, encoding="utf-8") as file:
@@ -102,7 +106,8 @@ def load_tokenizer(spec: str, eot_name: str | None = None) -> dict:
     if eot is None:
         named = f"named {eot_name!r}" if eot_name else "of " + ", ".join(EOT_NAMES)
         raise ValueError(f"--tokenizer {spec}: no end-of-text token {named}: name its own with --eot")
-    return {**record, "vocab_size": size, "eot": eot}
+    bos = next((special[n] for n in BOS_NAMES if n in special), None)
+    return {**record, "vocab_size": size, "eot": eot, **({"bos": bos} if bos is not None else {})}
 
 
 def _from_hub(name: str) -> str:
@@ -237,13 +242,13 @@ def _read(path: str) -> str:
         raise ValueError(f"{path}: not UTF-8 text (byte {error.start}): give text files") from None
 
 
-_encode = _eot = None
+_encode = _eot = _bos = None
 
 
 def _start_worker(record: dict, parent: int | None = None) -> None:
     """A worker's tokenizer. Ctrl-C is the writer's to handle; a worker whose writer died (SIGKILL) exits too."""
-    global _encode, _eot
-    _encode, _eot = codec(record)[0], record["eot"]
+    global _encode, _eot, _bos
+    _encode, _eot, _bos = codec(record)[0], record["eot"], record.get("bos")
     if parent is not None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -255,7 +260,10 @@ def _start_worker(record: dict, parent: int | None = None) -> None:
 
 
 def tokenize(batch: list[tuple[int, str]]) -> list[tuple[int, np.ndarray]]:
-    """(index, its end of text and ids) of each document of a batch, in a worker."""
+    """(index, its ids after an end of text, or between a begin and an end of text) of each document of a batch,
+    in a worker."""
+    if _bos is not None:
+        return [(index, np.array([_bos, *_encode(text), _eot], dtype=np.uint32)) for index, text in batch]
     return [(index, np.array([_eot, *_encode(text)], dtype=np.uint32)) for index, text in batch]
 
 

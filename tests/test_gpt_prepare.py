@@ -268,3 +268,59 @@ def test_bad_input_is_one_line(case, error, corpus, tmp_path, monkeypatch):
     assert code == 1 and stderr.startswith("error: ") and error in stderr and stderr.count("\n") == 1, stderr
     if case not in ("foreign shards", "inputs changed", "locked", "damaged record"):
         assert not (tmp_path / "out").exists()  # refused before it is made, or removed with what it held
+
+
+@pytest.fixture(scope="module")
+def llama3_tokenizer(corpus, tmp_path_factory) -> str:
+    """A tokenizer.json laid out as Llama 3's: a byte-level BPE (400 ids trained on the corpus), reserved special
+    tokens up to id 128000, then <|begin_of_text|> (128000) and <|end_of_text|> (128001)."""
+    from tokenizers import AddedToken
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(corpus[1], trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.add_special_tokens([AddedToken(f"<|reserved_special_token_{i}|>", special=True)
+                                  for i in range(tokenizer.get_vocab_size(with_added_tokens=True), 128000)])
+    tokenizer.add_special_tokens([AddedToken(name, special=True) for name in ("<|begin_of_text|>", "<|end_of_text|>")])
+    path = str(tmp_path_factory.mktemp("llama3") / "tokenizer.json")
+    tokenizer.save(path)
+    return path
+
+
+def test_a_llama_3_tokenizer_puts_each_document_between_its_begin_and_end_and_transformers_generates_from_it(
+        corpus, llama3_tokenizer, tmp_path):
+    """Llama 3's layout: ids past 65,535 (uint32 shards), each document as <|begin_of_text|> ids <|end_of_text|>
+    (the tokenizer library's own ids between them); llama-tiny trained on them, exported by hf.py with the
+    tokenizer; transformers' AutoTokenizer and LlamaForCausalLM read the folder (its begin and end of text named)
+    and greedy generation gives the tokens gpt/'s own model picks, one argmax at a time."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    out = tmp_path / "docs"
+    code, said, stderr = run(corpus[0], llama3_tokenizer, out, "--workers", "1")
+    assert code == 0 and "(llm.c uint32, tokenizer" in said, stderr
+    own = Tokenizer.from_file(llama3_tokenizer)
+    own.encode_special_tokens = True
+    bos, eot = own.token_to_id("<|begin_of_text|>"), own.token_to_id("<|end_of_text|>")
+    expected = [i for d in corpus[1] for i in (bos, *own.encode(d, add_special_tokens=False).ids, eot)]
+    tokens = load(str(out))
+    assert np.array_equal(np.concatenate([tokens.val[:], tokens.train[:]]), expected)
+    assert tokens.train.dtype == np.uint32 and tokens.vocab_size == 128064  # 128002 rounded up to 64
+    result = torchrun_in_process(1, "gpt/train.py", "--data", str(out), "--model", "llama-tiny", "--max_steps", "4",
+                                 "--eval_every", "4", "--val_tokens", "512", "--seq_len", "32", "--out_dir", "run",
+                                 "--export", "model.pt", cwd=tmp_path, timeout=120)
+    assert result.codes == [0], result.stderr
+    code, said, stderr = run_main(import_gpt("hf"), "export", str(tmp_path / "model.pt"), str(tmp_path / "hf"))
+    assert code == 0 and "LlamaForCausalLM" in said and "begin of text '<|begin_of_text|>'" in said, stderr
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (bos, eot)
+    theirs_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert (theirs_tokenizer.bos_token, theirs_tokenizer.eos_token) == ("<|begin_of_text|>", "<|end_of_text|>")
+    prompt = [bos, *theirs_tokenizer("The model", add_special_tokens=False)["input_ids"]]
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    generated = theirs.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0].tolist()
+    ours, ids = import_gpt("model").GPT.load(str(tmp_path / "model.pt")).eval(), list(prompt)
+    with torch.no_grad():
+        for _ in range(8):
+            ids.append(int(ours(torch.tensor([ids]))[0, -1].argmax()))
+    assert generated == ids
