@@ -89,6 +89,9 @@ def main() -> None:
     import train  # gpt/train.py, for its parser: importing it starts nothing
 
     known = train.parse_args(train_args)  # train.py's own checks, before anything runs: one line for a bad value
+    if known.model is None or CONFIGS[known.model].get("family", "gpt2") != "gpt2":  # the formula is GPT-2's block's
+        parser.error(f"--model {known.model}: the formula counts GPT-2's block (give one of its shapes: tiny, mini, "
+                     "small, gpt2, gpt2-medium)")
     config = GPTConfig(64, known.seq_len, **CONFIGS[known.model])  # a block's bytes: the vocabulary plays no part
     print(f"machine: {bench.machine()}")
     print(f"one block of --model {known.model}, {known.batch_size} sequences of {known.seq_len} tokens, measured in "

@@ -79,11 +79,14 @@ def read_config(folder: str) -> dict:
     """The folder's config.json, or a ValueError (one line)."""
     try:
         with open(os.path.join(folder, "config.json")) as file:
-            return json.load(file)
+            theirs = json.load(file)
+        if not isinstance(theirs, dict):
+            raise ValueError
+        return theirs
     except OSError as error:
         raise ValueError(f"--init_from {folder}: {error.strerror or error}: not a Hugging Face model folder") from None
     except ValueError:
-        raise ValueError(f"--init_from {folder}: its config.json is not JSON") from None
+        raise ValueError(f"--init_from {folder}: its config.json is not a JSON object") from None
 
 
 def shape(folder: str) -> dict:
@@ -98,23 +101,36 @@ def shape(folder: str) -> dict:
     def refuse(what: str):
         raise ValueError(f"--init_from {folder}: a {kind} model with {what} (config.json), which gpt/ lacks")
 
-    try:
-        return gpt2_or_llama(theirs, kind, refuse)
-    except KeyError as error:
-        raise ValueError(f"--init_from {folder}: its config.json lacks {error.args[0]}") from None
+    def get(name: str, kind: type = int, default=KeyError, where: dict | None = None):
+        """config.json's `name` (of `where`, a part of it), a positive int, a positive number, or a bool."""
+        where = theirs if where is None else where
+        if name not in where and default is KeyError:
+            raise ValueError(f"--init_from {folder}: its config.json lacks {name}")
+        value = where.get(name, default)
+        good = isinstance(value, bool) if kind is bool else (isinstance(value, int | float) and not isinstance(
+            value, bool) and (kind is float or isinstance(value, int)) and value > 0)
+        if not good and not (value is None and default is None):
+            raise ValueError(f"--init_from {folder}: its config.json's {name} is {value!r}, not "
+                             f"{'true or false' if kind is bool else 'a number' if kind is float else 'an integer'}"
+                             f"{'' if kind is bool else ' above 0'}")
+        return value
+
+    return gpt2_or_llama(theirs, kind, refuse, get)
 
 
-def gpt2_or_llama(theirs: dict, kind: str, refuse) -> dict:
-    """shape()'s fields from config.json's, `refuse` called with what gpt/ lacks."""
+def gpt2_or_llama(theirs: dict, kind: str, refuse, get) -> dict:
+    """shape()'s fields from config.json's: `get` reads one, checked; `refuse` says what gpt/ lacks."""
     if kind == "gpt2":
-        if theirs.get("activation_function", "gelu_new") != "gelu_new" or not theirs.get("tie_word_embeddings", True):
+        if theirs.get("activation_function", "gelu_new") != "gelu_new" or not get("tie_word_embeddings", bool, True):
             refuse("another activation or an untied head")
-        if theirs.get("n_inner") not in (None, 4 * theirs["n_embd"]):
+        if theirs.get("n_inner") not in (None, 4 * get("n_embd")):
             refuse(f"n_inner {theirs['n_inner']}")
-        return {"n_layer": theirs["n_layer"], "n_head": theirs["n_head"], "n_embd": theirs["n_embd"],
-                "norm_eps": theirs.get("layer_norm_epsilon", 1e-5)}
+        return {"n_layer": get("n_layer"), "n_head": get("n_head"), "n_embd": get("n_embd"),
+                "norm_eps": get("layer_norm_epsilon", float, 1e-5)}
     rope = theirs.get("rope_parameters") or {**(theirs.get("rope_scaling") or {}), "rope_theta":
                                              theirs.get("rope_theta", 10_000.0)}  # transformers 5's, or before
+    if not isinstance(rope, dict):
+        refuse(f"rope_parameters {rope!r}")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     for what, bad in (("attention_bias", theirs.get("attention_bias")), ("mlp_bias", theirs.get("mlp_bias")),
                       (f"hidden_act {theirs.get('hidden_act')!r}", theirs.get("hidden_act", "silu") != "silu"),
@@ -123,13 +139,14 @@ def gpt2_or_llama(theirs: dict, kind: str, refuse) -> dict:
                           layer != "full_attention" for layer in theirs.get("layer_types") or []))):
         if bad:
             refuse(what)
-    return {"family": "llama", "n_layer": theirs["num_hidden_layers"], "n_head": theirs["num_attention_heads"],
-            "n_embd": theirs["hidden_size"], "n_kv_head": theirs.get("num_key_value_heads"),
-            "head_dim": theirs.get("head_dim"), "ffn_hidden": theirs["intermediate_size"],
-            "norm_eps": theirs.get("rms_norm_eps", 1e-6), "rope_theta": float(rope["rope_theta"]),
-            "rope_llama3": (rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
-                            rope["original_max_position_embeddings"]) if rope_type == "llama3" else None,
-            "qk_norm": kind == "qwen3", "tie_head": bool(theirs.get("tie_word_embeddings", False))}
+    scaling = tuple(get(name, kind, where=rope) for name, kind in (
+        ("factor", float), ("low_freq_factor", float), ("high_freq_factor", float),
+        ("original_max_position_embeddings", int))) if rope_type == "llama3" else None
+    return {"family": "llama", "n_layer": get("num_hidden_layers"), "n_head": get("num_attention_heads"),
+            "n_embd": get("hidden_size"), "n_kv_head": get("num_key_value_heads", int, None),
+            "head_dim": get("head_dim", int, None), "ffn_hidden": get("intermediate_size"),
+            "norm_eps": get("rms_norm_eps", float, 1e-6), "rope_theta": float(get("rope_theta", float, where=rope)),
+            "rope_llama3": scaling, "qk_norm": kind == "qwen3", "tie_head": get("tie_word_embeddings", bool, False)}
 
 
 def check(folder: str, config: GPTConfig, model: str | None = None) -> list[str]:
@@ -150,21 +167,62 @@ def check(folder: str, config: GPTConfig, model: str | None = None) -> list[str]
     if theirs.get("vocab_size", 0) > config.vocab_size:  # rotary positions: any --seq_len
         raise ValueError(f"--init_from {folder}: its vocab is {theirs.get('vocab_size')}, and the run's "
                          f"{config.vocab_size} (--vocab_size)")
-    index = os.path.join(folder, "model.safetensors.index.json")
-    files = [os.path.join(folder, "model.safetensors")]
-    if os.path.isfile(index):
-        with open(index) as file:
-            files = [os.path.join(folder, name) for name in sorted(set(json.load(file)["weight_map"].values()))]
-    if all(os.path.isfile(path) for path in files):
+    files = weight_files(folder)
+    if files[0].endswith(".safetensors"):  # each file's header (names, shapes), not its tensors
+        held = headers(folder, files)
+        wanted = llama_names(config).values() if config.family == "llama" else [
+            f"{theirs}" for _, theirs, _ in pairs(config.n_layer)] + [
+            f"h.{i}.attn.c_attn.{w}" for i in range(config.n_layer) for w in ("weight", "bias")]
+        prefix = "" if config.family == "llama" or any(k.startswith("h.") for k in held) else "transformer."
+        lacking = [name for name in wanted if prefix + name not in held]
+        if lacking:
+            raise ValueError(f"--init_from {folder}: its weights lack {prefix + lacking[0]}")
+    return files
+
+
+def weight_files(folder: str) -> list[str]:
+    """The files transformers reads, in its order: model.safetensors, else the shards its index names, else
+    pytorch_model.bin; a missing shard or a damaged index is a ValueError, one line."""
+    single, index = os.path.join(folder, "model.safetensors"), os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(single) or os.path.isfile(index):
         try:
             import safetensors  # noqa: F401
         except ImportError:
             raise ValueError("--init_from of a safetensors folder needs safetensors: pip install -r "
                              "requirements-hf.txt") from None
+    if os.path.isfile(single):
+        return [single]
+    if os.path.isfile(index):
+        try:
+            with open(index) as file:
+                names = sorted(set(json.load(file)["weight_map"].values()))
+            files = [os.path.join(folder, name) for name in names]
+        except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, no weight_map of file names
+            raise ValueError(f"--init_from {folder}: its model.safetensors.index.json is damaged (not JSON with a "
+                             "weight_map of file names)") from None
+        missing = [name for name, path in zip(names, files, strict=True) if not os.path.isfile(path)]
+        if missing or not files:
+            raise ValueError(f"--init_from {folder}: its index names {missing[0] if missing else 'no file'}, which "
+                             "is not there")
         return files
     if os.path.isfile(os.path.join(folder, "pytorch_model.bin")):
         return [os.path.join(folder, "pytorch_model.bin")]
     raise ValueError(f"--init_from {folder}: neither model.safetensors nor pytorch_model.bin")
+
+
+def headers(folder: str, files: list[str]) -> set[str]:
+    """The tensor names in safetensors files' headers (their data not read); a file that is not one: ValueError."""
+    from safetensors import safe_open
+
+    names = set()
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as file:
+                names.update(file.keys())
+        except Exception as error:  # safetensors' own SafetensorError, OSError
+            raise ValueError(f"--init_from {folder}: {os.path.basename(path)} is not a safetensors file that can be "
+                             f"read ({str(error).splitlines()[0][:100]})") from None
+    return names
 
 
 def from_hf(folder: str, config: GPTConfig) -> dict[str, torch.Tensor]:
@@ -175,12 +233,16 @@ def from_hf(folder: str, config: GPTConfig) -> dict[str, torch.Tensor]:
     others', so they take little of the softmax's mass."""
     weights = {}
     for path in check(folder, config):
-        if path.endswith(".bin"):
-            weights.update(torch.load(path, map_location="cpu", weights_only=True))  # tensors only, no code
-        else:
-            from safetensors.torch import load_file
+        try:
+            if path.endswith(".bin"):
+                weights.update(torch.load(path, map_location="cpu", weights_only=True))  # tensors only, no code
+            else:
+                from safetensors.torch import load_file
 
-            weights.update(load_file(path))
+                weights.update(load_file(path))
+        except Exception as error:  # a damaged file: UnpicklingError, EOFError, SafetensorError, RuntimeError
+            raise ValueError(f"--init_from {folder}: {os.path.basename(path)} cannot be read ({type(error).__name__}: "
+                             f"{(str(error).splitlines() or [''])[0][:100]})") from None
     try:
         if config.family == "llama":
             state = {ours: weights[theirs] for ours, theirs in llama_names(config).items()}
@@ -297,6 +359,10 @@ def export(source: str, dest: str, vocab_size: int | None) -> str:
         config = GPTConfig(**{**asdict(config), "vocab_size": vocab_size})
     elif config.vocab_size > GPT2_VOCAB and config.family == "gpt2":
         said += f" (GPT-2's {GPT2_VOCAB} padded: no token's id is {GPT2_VOCAB} or more; --vocab_size {GPT2_VOCAB} cuts)"
+    stale = [name for name in ("model.safetensors.index.json", "pytorch_model.bin")
+             if os.path.exists(os.path.join(dest, name))]
+    if stale:  # transformers would read the new model.safetensors, an older reader the other weights
+        raise ValueError(f"{dest} holds another model's weights ({stale[0]}): give an empty folder, or remove them")
     os.makedirs(dest, exist_ok=True)
     save_file(to_hf(state, config), os.path.join(dest, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(dest, "config.json"), "w") as file:

@@ -293,7 +293,8 @@ def load_state_dict(parts: list[nn.Module], optimizers: list[torch.optim.Optimiz
         # The head's state loaded under wte's names is copied: in a V, one rank holds both stages, and the two
         # optimizers would otherwise share (and each step) the same moments
         optim_state = {head_as_wte(name, part, back=True): value for name, value in state["optim"].items()}
-        optim_state.update({name: value.clone() for name, value in optim_state.items() if part.config.tie_head
+        tied = getattr(part, "module", part).config.tie_head  # a DDP wrapper's module
+        optim_state.update({name: value.clone() for name, value in optim_state.items() if tied
                             and name.split(".")[1:3] == ["lm_head", "weight"] and isinstance(value, torch.Tensor)})
         set_state_dict(part, optimizer, model_state_dict={k: v for k, v in state["model"].items() if k in own},
                        optim_state_dict=optim_state, options=FLAT)

@@ -56,3 +56,10 @@ def test_the_script_prints_each_mode_measured_beside_the_formula():
 def test_bad_input_is_one_line(argv):
     code, _, stderr = run_main(*argv)
     assert code == 2 and "must be at least 1" in stderr.splitlines()[-1] and "Traceback" not in stderr
+
+
+def test_a_llama_shape_is_refused_in_one_line():
+    """The formula is GPT-2's block's (a 4 · n_embd GELU MLP, q, k and v each n_embd wide): a Llama shape's bytes
+    would be printed beside a formula that does not count them."""
+    code, _, stderr = run_main("--bytes_only", "--", "--model", "llama-tiny")
+    assert code == 2 and "the formula counts GPT-2's block" in stderr.splitlines()[-1] and "Traceback" not in stderr

@@ -216,21 +216,8 @@ def test_the_first_loss_from_a_llama_or_qwen3_is_transformers_loss(family, nproc
     ids=["one process", "fsdp 2", "pp 2"])
 def test_the_first_loss_from_a_transformers_model_is_transformers_loss(nproc, layout, theirs, text_file,  # noqa: F811
                                                                         tmp_path):
-    """Step 1's logged loss (before its update) against transformers' cross-entropy over the same 8 windows
-    (data.batch_starts, a function of the seed and the step alone): equal to fp32's rounding."""
-    result = torchrun_in_process(nproc, "gpt/train.py", "--data", str(text_file), "--init_from", str(theirs),
-                                 "--seq_len", "32", "--max_steps", "1", "--log_every", "1", "--eval_every", "100",
-                                 *layout, "--out_dir", "out", cwd=tmp_path, timeout=120)
-    assert result.codes == [0] * nproc, result.stderr
-    assert f"| weights from {theirs}" in result.stdouts[0]
-    logged = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])["loss"]
-    tokens = load(str(text_file), None, None)
-    x, y = windows(tokens.train, batch_starts(0, 0, len(tokens.train), 32, 8), 32, torch.device("cpu"))
-    with torch.no_grad():
-        logits = GPT2LMHeadModel.from_pretrained(theirs).eval()(x).logits
-    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).item()
-    assert logged == pytest.approx(expected, rel=1e-5, abs=0)
-    assert logged > 7  # not a fresh gpt/ model's loss (about ln 256 = 5.545)
+    """Step 1's logged loss (before its update): transformers' on the same batch (first_loss)."""
+    assert first_loss(nproc, theirs, text_file, tmp_path, *layout) > 7  # a fresh gpt/ model's: about ln 256 = 5.545
 
 
 def test_a_fine_tune_from_transformers_resumes_and_reshards_like_any_run(theirs, text_file, tmp_path):  # noqa: F811
@@ -301,18 +288,55 @@ def test_a_llama_or_qwen3_goes_out_and_back_bit_for_bit(layout, trained, llamas,
     ("llama", {}, ["--model", "llama-mini"], "its n_layer is 2, --model llama-mini's 4"),
     ("qwen3", {}, ["--model", "llama-tiny"], "its head_dim is 32, --model llama-tiny's 16"),
     ("llama", {"vocab_size": 300}, [], "its vocab is 300, and the run's 256 (--vocab_size)"),
-], ids=["bias", "gelu", "yarn", "sliding", "mistral", "model-layers", "model-heads", "vocab"])
+    ("llama", {"num_hidden_layers": "2"}, [], "its config.json's num_hidden_layers is '2', not an integer above 0"),
+    ("llama", {"tie_word_embeddings": "false"}, [], "its config.json's tie_word_embeddings is 'false', not true or "
+                                                    "false"),
+    ("llama", {"rope_parameters": "abc"}, [], "a llama model with rope_parameters 'abc' (config.json), which gpt/ "
+                                              "lacks"),
+    ("qwen3", {"num_key_value_heads": 0}, [], "its config.json's num_key_value_heads is 0, not an integer above 0"),
+    ("llama", "drop a shard", [], "its index names model-00001-of-00003.safetensors, which is not there"),
+    ("qwen3", "cut the file", [], "model.safetensors is not a safetensors file that can be read"),
+    ("qwen3", "drop q_norm", [], "its weights lack model.layers.0.self_attn.q_norm.weight"),
+], ids=["bias", "gelu", "yarn", "sliding", "mistral", "model-layers", "model-heads", "vocab", "text-int", "text-bool",
+        "rope-text", "zero-kv", "no-shard", "cut", "no-q-norm"])
 def test_a_llama_folder_that_gpt_does_not_hold_is_one_line_and_nothing_is_written(family, change, argv, error,
                                                                                    llamas, text_file,  # noqa: F811
                                                                                    tmp_path):
+    """Each found before OUT_DIR is made: config.json's fields and types (transformers refuses the same), and the
+    weights' files from their headers (a shard missing, a file cut short, a weight missing)."""
     folder = tmp_path / "hf"
     shutil.copytree(llamas[family], folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    if change == "drop a shard":
+        (folder / "model-00001-of-00003.safetensors").unlink()
+    elif change == "cut the file":
+        data = (folder / "model.safetensors").read_bytes()
+        (folder / "model.safetensors").write_bytes(data[:len(data) // 2])
+    elif change == "drop q_norm":
+        from safetensors.torch import load_file, save_file
+        weights = load_file(folder / "model.safetensors")
+        del weights["model.layers.0.self_attn.q_norm.weight"]
+        save_file(weights, folder / "model.safetensors")
+    else:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **change}))
     result = torchrun_in_process(1, "gpt/train.py", "--data", str(text_file), "--init_from", str(folder), *argv,
                                  "--seq_len", "32", "--max_steps", "1", "--out_dir", "out", cwd=tmp_path, timeout=60)
-    assert result.codes == [1] and result.stderr.strip() == f"error: --init_from {folder}: {error}", result.stderr
-    assert not (tmp_path / "out").exists()
+    assert result.codes == [1] and result.stderr.strip().startswith(f"error: --init_from {folder}: {error}"), \
+        result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_an_export_into_a_folder_of_other_weights_is_refused(trained, llamas, tmp_path):
+    """A folder holding a sharded model (its index, its shards): the export would sit beside them, transformers
+    reading the new file and an older reader the old shards; refused in one line, nothing written."""
+    shutil.copytree(llamas["llama"], tmp_path / "dest")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "dest").iterdir()}
+    code, stdout, stderr = run_main(import_gpt("hf"), "export", str(trained["llama ddp 2"] / "model.pt"),
+                                    str(tmp_path / "dest"))
+    assert code == 1 and stderr == (f"error: {trained['llama ddp 2'] / 'model.pt'}: {tmp_path / 'dest'} holds another "
+                                    "model's weights (model.safetensors.index.json): give an empty folder, or remove "
+                                    "them\n"), stderr
+    assert {p.name: p.read_bytes() for p in (tmp_path / "dest").iterdir()} == before
 
 
 def test_a_padded_run_starts_with_padding_rows_that_take_no_mass(theirs):
