@@ -207,16 +207,26 @@ def test_a_worker_killed_at_a_random_step_costs_nothing(uninterrupted, tmp_path)
     assert [r["step"] for r in logged] == list(range(1, 25))
 
 
-@pytest.mark.parametrize("to", ["all", "one worker of 3"])
-def test_sigterm_saves_the_step_in_flight_and_the_same_command_finishes_the_run(to, uninterrupted, tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted_llama(tmp_path_factory) -> dict[int, Path]:
+    """{2: folder} of llama-tiny's run (ddp, 2 ranks) that nothing interrupts."""
+    folder = tmp_path_factory.mktemp("whole_llama")
+    result = launch(2, folder, "--model", "llama-tiny")
+    assert result.codes == [0, 0], result.stderr
+    return {2: folder}
+
+
+@pytest.mark.parametrize(("to", "model"), [("all", "tiny"), ("one worker of 3", "tiny"), ("all", "llama-tiny")])
+def test_sigterm_saves_the_step_in_flight_and_the_same_command_finishes_the_run(to, model, request, tmp_path):
     """SIGTERM mid-run to torchrun and to every worker, as Slurm sends it before a preemption (so each worker gets
     it twice: torchrun passes its own on), or to one worker alone (the others learn of it at the next step's
     agreement; here the last of 3): every rank stops after the same step, saves it, and exits within torchrun's
     30 s. The same command resumes from that step, not an older one, and ends with the weights of the module's
     run that nothing stopped. The stopped run's steps take 0.25 s longer (tests/inject), so that a signal after
-    step 6 lands well before step 24."""
+    step 6 lands well before step 24. GPT-2's tiny, and the Llama family's (its untied head, its optimizer state)."""
     nproc = 2 if to == "all" else 3
-    argv = [*ARGV, *split(nproc), "--save_every", "1000"]
+    uninterrupted = request.getfixturevalue("uninterrupted" if model == "tiny" else "uninterrupted_llama")
+    argv = [*ARGV, *split(nproc), "--save_every", "1000", "--model", model]
     command = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), TRAIN, *argv, "--out_dir",
                str(tmp_path / "out"), "--export", str(tmp_path / "model.pt")]
     group = Group(tmp_path)

@@ -201,8 +201,9 @@ def first_loss(nproc: int, folder: Path, text_file: Path, tmp_path: Path, *layou
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize(("nproc", "layout"), [
     (1, ("--batch_size", "4", "--grad_accum", "2")),
-    (4, ("--parallel", "fsdp", "--tp", "2", "--batch_size", "2", "--grad_accum", "2"))], ids=["one process",
-                                                                                             "fsdp 2 × tp 2"])
+    (4, ("--parallel", "fsdp", "--tp", "2", "--batch_size", "2", "--grad_accum", "2")),
+    (2, ("--parallel", "fsdp", "--pp", "2", "--batch_size", "4", "--grad_accum", "2"))],
+    ids=["one process", "fsdp 2 × tp 2", "pp 2"])
 def test_the_first_loss_from_a_llama_or_qwen3_is_transformers_loss(family, nproc, layout, llamas, text_file,  # noqa: F811
                                                                     tmp_path):
     """The shape from the folder's config.json (no --model): transformers' loss, and far from a fresh model's."""
