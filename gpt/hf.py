@@ -166,7 +166,7 @@ def check(folder: str, config: GPTConfig, model: str | None = None) -> list[str]
                          f"(--seq_len) and a vocab of {config.vocab_size} or less")
     if theirs.get("vocab_size", 0) > config.vocab_size:  # rotary positions: any --seq_len
         raise ValueError(f"--init_from {folder}: its vocab is {theirs.get('vocab_size')}, and the run's "
-                         f"{config.vocab_size} (--vocab_size)")
+                         f"{config.vocab_size} (the data's: --vocab_size, for a folder of shards)")
     files = weight_files(folder)
     if files[0].endswith(".safetensors"):  # each file's header (names, shapes), not its tensors
         held = headers(folder, files)
@@ -422,7 +422,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     out = commands.add_parser("export", help="a train.py --export file or a checkpoint folder to a transformers folder")
-    out.add_argument("source", help="a train.py --export file, or a checkpoint folder (OUT_DIR/step_N)")
+    out.add_argument("source", help="a train.py --export file, a checkpoint folder (OUT_DIR/step_N), or OUT_DIR (its "
+                                    "newest)")
     out.add_argument("dest", help="the folder to write (config.json, model.safetensors)")
     out.add_argument("--vocab_size", type=int, help="keep the first N rows of the vocabulary (default: all)")
     args = parser.parse_args()

@@ -82,7 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data_dtype", choices=["uint16", "uint32"], help="the width of raw .bin ids, which have no "
                                                                       "header (default: uint16);\nllm.c's shards "
                                                                       "say theirs")
-    p.add_argument("--vocab_size", type=int, help="token ids below this (default: 64 synthetic, 256 text, 50304 DIR)")
+    p.add_argument("--vocab_size", type=int, help="token ids below this (default: 64 synthetic, 256 text, 50304 DIR;\n"
+                                                  "prepare.py's shards: its tokenizer's, rounded up to 64)")
     p.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp"], default="ddp",
                    help="ddp: a replica per rank (at one rank, the model alone: no DDP);\n"
                         "fsdp: every block sharded over all ranks;\n"

@@ -288,7 +288,8 @@ def test_a_llama_or_qwen3_goes_out_and_back_bit_for_bit(layout, trained, llamas,
     ("llama", {"model_type": "mistral"}, [], "a 'mistral' model (config.json): gpt/ reads gpt2, llama and qwen3"),
     ("llama", {}, ["--model", "llama-mini"], "its n_layer is 2, --model llama-mini's 4"),
     ("qwen3", {}, ["--model", "llama-tiny"], "its head_dim is 32, --model llama-tiny's 16"),
-    ("llama", {"vocab_size": 300}, [], "its vocab is 300, and the run's 256 (--vocab_size)"),
+    ("llama", {"vocab_size": 300}, [], "its vocab is 300, and the run's 256 (the data's: --vocab_size, for a folder "
+                                       "of shards)"),
     ("llama", {"num_hidden_layers": "2"}, [], "its config.json's num_hidden_layers is '2', not an integer above 0"),
     ("llama", {"tie_word_embeddings": "false"}, [], "its config.json's tie_word_embeddings is 'false', not true or "
                                                     "false"),
