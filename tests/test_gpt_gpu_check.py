@@ -22,7 +22,7 @@ def test_every_command_of_the_check_is_one_that_train_py_accepts():
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert [line.split(":")[0] for line in lines] == ["ddp", "fsdp", "fp16", "sigterm", "sigterm", "profile",
-                                                     *["checkpoint"] * 3]
+                                                     *["checkpoint"] * 3, "llama"]
     gpt_train = import_gpt()
     for line in lines:
         argv = shlex.split(line.split("gpt/train.py ", 1)[1])
