@@ -67,6 +67,16 @@ def test_the_tensor_parallel_proof_fails_with_the_qk_norms_gradients_left_partia
         assert_same_training(one_process("qwen3-tiny"), broken, "qwen3-tiny tp without the norms' reduction")
 
 
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_the_llama_proof_fails_without_the_gradient_reduction(parallel):
+    """tests/gpt_no_sync.py (every backward's gradient sync off) on llama-tiny at 2 ranks: each rank steps on its own
+    sequences only, and the comparison with one process must fail."""
+    broken = train_script("gpt_no_sync.py", 2, *ARGV, "--parallel", parallel, "--batch_size", "2", "--grad_accum", "3",
+                          "--model", "llama-tiny")
+    with pytest.raises(AssertionError):
+        assert_same_training(one_process("llama-tiny"), broken, f"llama-tiny {parallel} without gradient sync")
+
+
 def test_the_families_differ_by_their_options_and_keep_gpt2s_names():
     """GPT-2's parameter names as before; the Llama family's: no biases, no position table, SwiGLU's gate, q and k
     norms where QK-norm is on, an lm_head of its own where untied; the parameter counts of the published shapes
