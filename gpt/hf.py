@@ -97,6 +97,9 @@ def shape(folder: str) -> dict:
     kind = theirs.get("model_type")
     if kind not in ("gpt2", "llama", "qwen3"):
         raise ValueError(f"--init_from {folder}: a {kind!r} model (config.json): gpt/ reads gpt2, llama and qwen3")
+    if theirs.get("quantization_config"):
+        raise ValueError(f"--init_from {folder}: a quantized model (config.json's quantization_config): gpt/ reads "
+                         "float weights")
 
     def refuse(what: str):
         raise ValueError(f"--init_from {folder}: a {kind} model with {what} (config.json), which gpt/ lacks")
@@ -115,7 +118,12 @@ def shape(folder: str) -> dict:
                              f"{'' if kind is bool else ' above 0'}")
         return value
 
-    return gpt2_or_llama(theirs, kind, refuse, get)
+    found = gpt2_or_llama(theirs, kind, refuse, get)
+    try:
+        GPTConfig(1, 1, **found)  # what the dataclass itself refuses: heads that do not divide, an odd head_dim
+    except ValueError as error:
+        raise ValueError(f"--init_from {folder}: {error}") from None
+    return found
 
 
 def gpt2_or_llama(theirs: dict, kind: str, refuse, get) -> dict:
@@ -125,6 +133,10 @@ def gpt2_or_llama(theirs: dict, kind: str, refuse, get) -> dict:
             refuse("another activation or an untied head")
         if theirs.get("n_inner") not in (None, 4 * get("n_embd")):
             refuse(f"n_inner {theirs['n_inner']}")
+        for flag, gpt2s in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                            ("reorder_and_upcast_attn", False)):
+            if get(flag, bool, gpt2s) != gpt2s:  # attention scaled otherwise than by 1 / sqrt(head_dim)
+                refuse(f"{flag} {not gpt2s}")
         return {"n_layer": get("n_layer"), "n_head": get("n_head"), "n_embd": get("n_embd"),
                 "norm_eps": get("layer_norm_epsilon", float, 1e-5)}
     rope = theirs.get("rope_parameters") or {**(theirs.get("rope_scaling") or {}), "rope_theta":
@@ -177,6 +189,15 @@ def check(folder: str, config: GPTConfig, model: str | None = None) -> list[str]
         lacking = [name for name in wanted if prefix + name not in held]
         if lacking:
             raise ValueError(f"--init_from {folder}: its weights lack {prefix + lacking[0]}")
+        if config.family == "llama":  # one name for one name, the same shape (the vocabulary's rows: as many or fewer)
+            with torch.device("meta"):
+                ours = GPT(config).state_dict()
+            for mine, theirs in llama_names(config).items():
+                rows_ok = mine in ("wte.weight", "lm_head.weight") and held[theirs][0] <= ours[mine].shape[0]
+                if list(held[theirs]) != list(ours[mine].shape) and not (
+                        rows_ok and list(held[theirs][1:]) == list(ours[mine].shape[1:])):
+                    raise ValueError(f"--init_from {folder}: {theirs} is {tuple(held[theirs])}, where its config.json "
+                                     f"makes it {tuple(ours[mine].shape)}")
     return files
 
 
@@ -210,19 +231,24 @@ def weight_files(folder: str) -> list[str]:
     raise ValueError(f"--init_from {folder}: neither model.safetensors nor pytorch_model.bin")
 
 
-def headers(folder: str, files: list[str]) -> set[str]:
-    """The tensor names in safetensors files' headers (their data not read); a file that is not one: ValueError."""
+def headers(folder: str, files: list[str]) -> dict[str, list[int]]:
+    """{name: shape} of the tensors in safetensors files' headers (their data not read); a file that is not one, or
+    a tensor that is not of floats (an integer or 8-bit one: quantized): ValueError."""
     from safetensors import safe_open
 
-    names = set()
+    shapes = {}
     for path in files:
         try:
             with safe_open(path, framework="pt") as file:
-                names.update(file.keys())
-        except Exception as error:  # safetensors' own SafetensorError, OSError
-            raise ValueError(f"--init_from {folder}: {os.path.basename(path)} is not a safetensors file that can be "
-                             f"read ({str(error).splitlines()[0][:100]})") from None
-    return names
+                for name in file.keys():
+                    held = file.get_slice(name)
+                    shapes[name], dtype = held.get_shape(), held.get_dtype()
+                    if dtype not in ("F32", "F16", "BF16", "F64"):
+                        raise ValueError(f"{name} is {dtype}, not floats (quantized?)")
+        except Exception as error:  # safetensors' own SafetensorError, OSError; the dtype above
+            raise ValueError(f"--init_from {folder}: {os.path.basename(path)} is not a safetensors file of float "
+                             f"weights that can be read ({str(error).splitlines()[0][:100]})") from None
+    return shapes
 
 
 def from_hf(folder: str, config: GPTConfig) -> dict[str, torch.Tensor]:
@@ -359,10 +385,10 @@ def export(source: str, dest: str, vocab_size: int | None) -> str:
         config = GPTConfig(**{**asdict(config), "vocab_size": vocab_size})
     elif config.vocab_size > GPT2_VOCAB and config.family == "gpt2":
         said += f" (GPT-2's {GPT2_VOCAB} padded: no token's id is {GPT2_VOCAB} or more; --vocab_size {GPT2_VOCAB} cuts)"
-    stale = [name for name in ("model.safetensors.index.json", "pytorch_model.bin")
-             if os.path.exists(os.path.join(dest, name))]
-    if stale:  # transformers would read the new model.safetensors, an older reader the other weights
-        raise ValueError(f"{dest} holds another model's weights ({stale[0]}): give an empty folder, or remove them")
+    ours = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")  # what an export writes
+    stale = sorted(name for name in (os.listdir(dest) if os.path.isdir(dest) else []) if name not in ours)
+    if stale:  # another model's weights, index, generation settings: transformers would read them with ours
+        raise ValueError(f"{dest} holds another model's files ({stale[0]}): give an empty folder, or remove them")
     os.makedirs(dest, exist_ok=True)
     save_file(to_hf(state, config), os.path.join(dest, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(dest, "config.json"), "w") as file:

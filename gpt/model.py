@@ -50,6 +50,8 @@ class GPTConfig:
             object.__setattr__(self, "rope_llama3", tuple(self.rope_llama3))
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_kv_head {self.n_kv_head} does not divide n_head {self.n_head}")
+        if self.family == "llama" and self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} is odd: the rotation turns pairs of dimensions")
         if self.family == "gpt2" and (self.n_kv_head != self.n_head or self.qk_norm or not self.tie_head
                                       or self.head_dim * self.n_head != self.n_embd):
             raise ValueError("GPT-2 has full multi-head attention of n_embd / n_head, no qk_norm, a tied head")

@@ -297,10 +297,17 @@ def test_a_llama_or_qwen3_goes_out_and_back_bit_for_bit(layout, trained, llamas,
                                               "lacks"),
     ("qwen3", {"num_key_value_heads": 0}, [], "its config.json's num_key_value_heads is 0, not an integer above 0"),
     ("llama", "drop a shard", [], "its index names model-00001-of-00003.safetensors, which is not there"),
-    ("qwen3", "cut the file", [], "model.safetensors is not a safetensors file that can be read"),
+    ("qwen3", "cut the file", [], "model.safetensors is not a safetensors file of float weights that can be read"),
     ("qwen3", "drop q_norm", [], "its weights lack model.layers.0.self_attn.q_norm.weight"),
+    ("qwen3", "int8 up_proj", [], "model.safetensors is not a safetensors file of float weights that can be read "
+                                  "(model.layers.0.mlp.up_proj.weight is I8, not floats (quantized?))"),
+    ("qwen3", {"quantization_config": {"quant_method": "fp8"}}, [], "a quantized model (config.json's "
+                                                                    "quantization_config): gpt/ reads float weights"),
+    ("qwen3", {"intermediate_size": 128}, [], "model.layers.0.mlp.gate_proj.weight is (160, 64), where its "
+                                              "config.json makes it (128, 64)"),
+    ("llama", {"head_dim": 15}, [], "head_dim 15 is odd"),
 ], ids=["bias", "gelu", "yarn", "sliding", "mistral", "model-layers", "model-heads", "vocab", "text-int", "text-bool",
-        "rope-text", "zero-kv", "no-shard", "cut", "no-q-norm"])
+        "rope-text", "zero-kv", "no-shard", "cut", "no-q-norm", "int8", "fp8", "shape", "odd-head"])
 def test_a_llama_folder_that_gpt_does_not_hold_is_one_line_and_nothing_is_written(family, change, argv, error,
                                                                                    llamas, text_file,  # noqa: F811
                                                                                    tmp_path):
@@ -313,10 +320,13 @@ def test_a_llama_folder_that_gpt_does_not_hold_is_one_line_and_nothing_is_writte
     elif change == "cut the file":
         data = (folder / "model.safetensors").read_bytes()
         (folder / "model.safetensors").write_bytes(data[:len(data) // 2])
-    elif change == "drop q_norm":
+    elif change in ("drop q_norm", "int8 up_proj"):
         from safetensors.torch import load_file, save_file
         weights = load_file(folder / "model.safetensors")
-        del weights["model.layers.0.self_attn.q_norm.weight"]
+        if change == "drop q_norm":
+            del weights["model.layers.0.self_attn.q_norm.weight"]
+        else:
+            weights["model.layers.0.mlp.up_proj.weight"] = weights["model.layers.0.mlp.up_proj.weight"].to(torch.int8)
         save_file(weights, folder / "model.safetensors")
     else:
         config = json.loads((folder / "config.json").read_text())
@@ -336,7 +346,7 @@ def test_an_export_into_a_folder_of_other_weights_is_refused(trained, llamas, tm
     code, stdout, stderr = run_main(import_gpt("hf"), "export", str(trained["llama ddp 2"] / "model.pt"),
                                     str(tmp_path / "dest"))
     assert code == 1 and stderr == (f"error: {trained['llama ddp 2'] / 'model.pt'}: {tmp_path / 'dest'} holds another "
-                                    "model's weights (model.safetensors.index.json): give an empty folder, or remove "
+                                    "model's files (generation_config.json): give an empty folder, or remove "
                                     "them\n"), stderr
     assert {p.name: p.read_bytes() for p in (tmp_path / "dest").iterdir()} == before
 
@@ -357,9 +367,11 @@ def test_a_padded_run_starts_with_padding_rows_that_take_no_mass(theirs):
                           "vocab of 256 or less"),
     ({"activation_function": "relu"}, "a gpt2 model with another activation or an untied head (config.json), which "
                                       "gpt/ lacks"),
+    ({"scale_attn_by_inverse_layer_idx": True}, "a gpt2 model with scale_attn_by_inverse_layer_idx True "
+                                                "(config.json), which gpt/ lacks"),
     (None, "No such file or directory: not a Hugging Face model folder"),
     ("no weights", "neither model.safetensors nor pytorch_model.bin"),
-], ids=["bert", "layers", "vocab", "relu", "no folder", "no weights"])
+], ids=["bert", "layers", "vocab", "relu", "layer-scaled", "no folder", "no weights"])
 def test_a_folder_that_does_not_fit_is_one_line_and_nothing_is_written(change, error, theirs, text_file,  # noqa: F811
                                                                         tmp_path):
     folder = tmp_path / "hf"
