@@ -180,6 +180,14 @@ def arguments_and_data(args: argparse.Namespace, world_size: int) -> tuple[data.
     return tokens, config
 
 
+def same_config(saved: dict | None, config: GPTConfig) -> bool:
+    """Whether a checkpoint's config is the run's (one written before a field was added: that field's default)."""
+    try:
+        return GPTConfig(**saved) == config
+    except (TypeError, ValueError):
+        return False
+
+
 def out_dir(args: argparse.Namespace, rank: int) -> None:
     """OUT_DIR made, and tried: rank 0 makes it and writes a file there, which every rank must see (DCP writes
     each rank's shard into one folder, so OUT_DIR must be one that every rank shares: on several nodes, a shared

@@ -277,7 +277,7 @@ def resume(args: argparse.Namespace, checkpoints: Checkpoints, parts: list[torch
     folder, manifest = found
     if manifest["step"] > args.max_steps:
         raise ValueError(f"checkpoint {folder} is at step {manifest['step']}, beyond --max_steps {args.max_steps}")
-    if not same_config(manifest.get("config"), config):
+    if not checks.same_config(manifest.get("config"), config):
         raise ValueError(f"checkpoint {folder} is of another model ({manifest.get('config')}), not {asdict(config)}: "
                          "give another --out_dir, or the --model, --seq_len and data it was trained with")
     state = parallelize.state_dict(parts, optimizers)
@@ -308,14 +308,6 @@ def resume(args: argparse.Namespace, checkpoints: Checkpoints, parts: list[torch
         if changed:
             print(f"changed since that checkpoint, as asked: {', '.join(changed)}{lr}", flush=True)
     return manifest["step"]
-
-
-def same_config(saved: dict | None, config: GPTConfig) -> bool:
-    """Whether a checkpoint's config is the run's (one written before a field was added: that field's default)."""
-    try:
-        return GPTConfig(**saved) == config
-    except (TypeError, ValueError):
-        return False
 
 
 def train_step(model: torch.nn.Module | pipeline.Pipeline, optimizer: torch.optim.Optimizer,

@@ -113,12 +113,12 @@ def test_tp_refuses_a_degree_that_does_not_divide_the_kv_heads(nproc, model, arg
 
 def test_a_checkpoint_written_before_the_families_resumes():
     """A manifest's config without the family's fields (a GPT-2 run's before them) is the same model."""
-    train = import_gpt()
-    config = train.GPTConfig(64, 32, **CONFIGS["tiny"])  # train.py's own GPTConfig: gpt/model.py imported as `model`
-    assert train.same_config({"vocab_size": 64, "seq_len": 32, "n_layer": 2, "n_head": 2, "n_embd": 64,
+    checks = import_gpt("checks")
+    config = checks.GPTConfig(64, 32, **CONFIGS["tiny"])  # its own GPTConfig: gpt/model.py imported as `model`
+    assert checks.same_config({"vocab_size": 64, "seq_len": 32, "n_layer": 2, "n_head": 2, "n_embd": 64,
                               "dropout": 0.0}, config)
-    assert not train.same_config({"vocab_size": 64, "seq_len": 32, **CONFIGS["llama-tiny"]}, config)
-    assert not train.same_config({"no such": 1}, config)
+    assert not checks.same_config({"vocab_size": 64, "seq_len": 32, **CONFIGS["llama-tiny"]}, config)
+    assert not checks.same_config({"no such": 1}, config)
 
 
 @pytest.mark.parametrize("model", ["llama-tiny", "qwen3-tiny"])
