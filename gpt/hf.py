@@ -50,22 +50,36 @@ LLAMA = {"ln_1": "input_layernorm", "attn.q": "self_attn.q_proj", "attn.k": "sel
          "mlp.fc": "mlp.up_proj", "mlp.proj": "mlp.down_proj"}
 
 
-def llama_names(config: GPTConfig) -> dict[str, str]:
-    """{gpt/'s name: transformers' name} of every weight of a Llama-family model (a tied head left out: it is wte)."""
-    names = {"wte.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight"}
+# A mixture of experts' (Qwen3MoeForCausalLM's, as its folders hold them: one Linear per expert, which transformers
+# 5 stacks on loading): the router, and expert e's rows of each projection.
+EXPERTS = {"router": "gate", "experts.gate": "experts.{e}.gate_proj", "experts.fc": "experts.{e}.up_proj",
+           "experts.proj": "experts.{e}.down_proj"}
+
+
+def llama_names(config: GPTConfig) -> dict[str, tuple[str, int | None]]:
+    """{transformers' name: (gpt/'s name, None; or, for an expert's weight, the expert's row in gpt/'s)} of every
+    weight of a Llama-family model (a tied head left out: it is wte)."""
+    names = {"model.embed_tokens.weight": ("wte.weight", None), "model.norm.weight": ("ln_f.weight", None)}
     if not config.tie_head:
-        names["lm_head.weight"] = "lm_head.weight"
+        names["lm_head.weight"] = ("lm_head.weight", None)
     for i in range(config.n_layer):
-        names.update({f"blocks.{i}.{ours}.weight": f"model.layers.{i}.{theirs}.weight" for ours, theirs in LLAMA.items()
-                      if config.qk_norm or not ours.endswith("_norm")})
+        moe = config.n_expert and i >= config.first_dense
+        names.update({f"model.layers.{i}.{theirs}.weight": (f"blocks.{i}.{ours}.weight", None)
+                      for ours, theirs in LLAMA.items()
+                      if (config.qk_norm or not ours.endswith("_norm")) and not (moe and ours.startswith("mlp."))})
+        for ours, theirs in EXPERTS.items() if moe else ():
+            for e in range(config.n_expert) if "{e}" in theirs else [None]:
+                names[f"model.layers.{i}.mlp.{theirs.format(e=e)}.weight"] = (
+                    f"blocks.{i}.mlp.{ours}" + (".weight" if e is None else ""), e)
     return names
 
 
 def to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """gpt/model.py's state_dict in GPT2LMHeadModel's, LlamaForCausalLM's or Qwen3ForCausalLM's names and shapes
-    (a tied head left out: it is wte)."""
+    """gpt/model.py's state_dict in GPT2LMHeadModel's, LlamaForCausalLM's, Qwen3ForCausalLM's or Qwen3MoeForCausalLM's
+    names and shapes (a tied head left out: it is wte; DeepSeek's expert biases too, which Qwen3-MoE lacks)."""
     if config.family == "llama":
-        return {theirs: state[ours].contiguous() for ours, theirs in llama_names(config).items()}
+        return {theirs: (state[ours] if e is None else state[ours][e]).contiguous()
+                for theirs, (ours, e) in llama_names(config).items()}
     hf = {f"transformer.{theirs}": state[ours].t() if transposed else state[ours]
           for ours, theirs, transposed in pairs(config.n_layer)}
     for i in range(config.n_layer):
@@ -95,8 +109,9 @@ def shape(folder: str) -> dict:
     bias, another rope type, sliding-window attention) is a ValueError, one line, naming it."""
     theirs = read_config(folder)
     kind = theirs.get("model_type")
-    if kind not in ("gpt2", "llama", "qwen3"):
-        raise ValueError(f"--init_from {folder}: a {kind!r} model (config.json): gpt/ reads gpt2, llama and qwen3")
+    if kind not in ("gpt2", "llama", "qwen3", "qwen3_moe"):
+        raise ValueError(f"--init_from {folder}: a {kind!r} model (config.json): gpt/ reads gpt2, llama, qwen3 and "
+                         "qwen3_moe")
     if theirs.get("quantization_config"):
         raise ValueError(f"--init_from {folder}: a quantized model (config.json's quantization_config): gpt/ reads "
                          "float weights")
@@ -154,11 +169,23 @@ def gpt2_or_llama(theirs: dict, kind: str, refuse, get) -> dict:
     scaling = tuple(get(name, kind, where=rope) for name, kind in (
         ("factor", float), ("low_freq_factor", float), ("high_freq_factor", float),
         ("original_max_position_embeddings", int))) if rope_type == "llama3" else None
-    return {"family": "llama", "n_layer": get("num_hidden_layers"), "n_head": get("num_attention_heads"),
-            "n_embd": get("hidden_size"), "n_kv_head": get("num_key_value_heads", int, None),
-            "head_dim": get("head_dim", int, None), "ffn_hidden": get("intermediate_size"),
-            "norm_eps": get("rms_norm_eps", float, 1e-6), "rope_theta": float(get("rope_theta", float, where=rope)),
-            "rope_llama3": scaling, "qk_norm": kind == "qwen3", "tie_head": get("tie_word_embeddings", bool, False)}
+    found = {"family": "llama", "n_layer": get("num_hidden_layers"), "n_head": get("num_attention_heads"),
+             "n_embd": get("hidden_size"), "n_kv_head": get("num_key_value_heads", int, None),
+             "head_dim": get("head_dim", int, None), "ffn_hidden": get("intermediate_size"),
+             "norm_eps": get("rms_norm_eps", float, 1e-6), "rope_theta": float(get("rope_theta", float, where=rope)),
+             "rope_llama3": scaling, "qk_norm": kind.startswith("qwen3"),
+             "tie_head": get("tie_word_embeddings", bool, False)}
+    if kind == "qwen3_moe":  # Qwen3-MoE's router: softmax, top-k, renormalised with norm_topk_prob
+        dense = theirs.get("mlp_only_layers") or []
+        if get("decoder_sparse_step", int, 1) != 1 or dense != list(range(len(dense))):
+            refuse(f"dense blocks other than the first (mlp_only_layers {dense}, decoder_sparse_step "
+                   f"{theirs.get('decoder_sparse_step')})")
+        experts = "num_experts" if "num_experts" in theirs else "num_local_experts"  # transformers 5 saves the latter
+        found.update(n_expert=get(experts), top_k=get("num_experts_per_tok"),
+                     expert_hidden=get("moe_intermediate_size"), norm_topk=get("norm_topk_prob", bool, False),
+                     first_dense=len(dense),
+                     aux_loss_coef=float(theirs.get("router_aux_loss_coef") or 0.0))
+    return found
 
 
 def check(folder: str, config: GPTConfig, model: str | None = None) -> list[str]:
@@ -182,7 +209,7 @@ def check(folder: str, config: GPTConfig, model: str | None = None) -> list[str]
     files = weight_files(folder)
     if files[0].endswith(".safetensors"):  # each file's header (names, shapes), not its tensors
         held = headers(folder, files)
-        wanted = llama_names(config).values() if config.family == "llama" else [
+        wanted = llama_names(config) if config.family == "llama" else [
             f"{theirs}" for _, theirs, _ in pairs(config.n_layer)] + [
             f"h.{i}.attn.c_attn.{w}" for i in range(config.n_layer) for w in ("weight", "bias")]
         prefix = "" if config.family == "llama" or any(k.startswith("h.") for k in held) else "transformer."
@@ -192,12 +219,12 @@ def check(folder: str, config: GPTConfig, model: str | None = None) -> list[str]
         if config.family == "llama":  # one name for one name, the same shape (the vocabulary's rows: as many or fewer)
             with torch.device("meta"):
                 ours = GPT(config).state_dict()
-            for mine, theirs in llama_names(config).items():
-                rows_ok = mine in ("wte.weight", "lm_head.weight") and held[theirs][0] <= ours[mine].shape[0]
-                if list(held[theirs]) != list(ours[mine].shape) and not (
-                        rows_ok and list(held[theirs][1:]) == list(ours[mine].shape[1:])):
+            for theirs, (mine, e) in llama_names(config).items():
+                size = ours[mine].shape if e is None else ours[mine].shape[1:]  # an expert's: its row of gpt/'s
+                rows_ok = mine in ("wte.weight", "lm_head.weight") and held[theirs][0] <= size[0]
+                if list(held[theirs]) != list(size) and not (rows_ok and list(held[theirs][1:]) == list(size[1:])):
                     raise ValueError(f"--init_from {folder}: {theirs} is {tuple(held[theirs])}, where its config.json "
-                                     f"makes it {tuple(ours[mine].shape)}")
+                                     f"makes it {tuple(size)}")
     return files
 
 
@@ -271,7 +298,13 @@ def from_hf(folder: str, config: GPTConfig) -> dict[str, torch.Tensor]:
                              f"{(str(error).splitlines() or [''])[0][:100]})") from None
     try:
         if config.family == "llama":
-            state = {ours: weights[theirs] for ours, theirs in llama_names(config).items()}
+            state, experts = {}, {}
+            for theirs, (ours, e) in llama_names(config).items():
+                if e is None:
+                    state[ours] = weights[theirs]
+                else:  # expert e's matrix, a row of gpt/'s
+                    experts.setdefault(ours, []).append(weights[theirs])
+            state.update({ours: torch.stack(rows) for ours, rows in experts.items()})
         else:
             weights = {name.removeprefix("transformer."): tensor for name, tensor in weights.items()}
             state = {ours: weights[theirs].t() if transposed else weights[theirs]
@@ -319,13 +352,17 @@ def llama_config(config: GPTConfig, eot: int | None, bos: int | None) -> dict:
     """config.json for LlamaForCausalLM, or Qwen3ForCausalLM where QK-norm is on, in transformers 5's terms
     (rope_parameters). max_position_embeddings: the run's --seq_len, or where Llama 3's scaling reaches (the original
     length × its factor) if more: transformers warns of an original length not below it."""
-    kind, c = "qwen3" if config.qk_norm else "llama", config
+    kind, c = "qwen3_moe" if config.n_expert else "qwen3" if config.qk_norm else "llama", config
     rope, positions = {"rope_type": "default", "rope_theta": c.rope_theta}, c.seq_len
     if c.rope_llama3 is not None:
         names = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         rope = {**rope, "rope_type": "llama3", **dict(zip(names, c.rope_llama3, strict=True))}
         positions = max(positions, int(c.rope_llama3[0] * c.rope_llama3[3]))
-    return {"architectures": ["Qwen3ForCausalLM" if config.qk_norm else "LlamaForCausalLM"], "model_type": kind,
+    moe = {"num_experts": c.n_expert, "num_experts_per_tok": c.top_k, "moe_intermediate_size": c.expert_hidden,
+           "norm_topk_prob": c.norm_topk, "decoder_sparse_step": 1, "mlp_only_layers": list(range(c.first_dense)),
+           "router_aux_loss_coef": c.aux_loss_coef, "output_router_logits": False} if c.n_expert else {}
+    return {"architectures": [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                               "qwen3_moe": "Qwen3MoeForCausalLM"}[kind]], "model_type": kind, **moe,
             "vocab_size": c.vocab_size, "hidden_size": c.n_embd, "intermediate_size": c.ffn_hidden,
             "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_head,
             "head_dim": c.head_dim, "hidden_act": "silu", "max_position_embeddings": positions,
@@ -385,6 +422,12 @@ def export(source: str, dest: str, vocab_size: int | None) -> str:
         config = GPTConfig(**{**asdict(config), "vocab_size": vocab_size})
     elif config.vocab_size > GPT2_VOCAB and config.family == "gpt2":
         said += f" (GPT-2's {GPT2_VOCAB} padded: no token's id is {GPT2_VOCAB} or more; --vocab_size {GPT2_VOCAB} cuts)"
+    if config.n_expert:  # Qwen3-MoE's router is softmax, top-k, maybe renormalised: nothing more
+        lacks = [what for what, bad in (("a sigmoid router", config.router != "softmax"), ("no QK-norm", not
+                 config.qk_norm), ("shared experts", config.n_shared_expert), ("a route_scale", config.route_scale
+                 != 1), ("DeepSeek's expert biases", config.bias_rate)) if bad]
+        if lacks:
+            raise ValueError(f"{source}: a mixture of experts with {lacks[0]}, which Qwen3MoeForCausalLM lacks")
     ours = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")  # what an export writes
     stale = sorted(name for name in (os.listdir(dest) if os.path.isdir(dest) else []) if name not in ours)
     if stale:  # another model's weights, index, generation settings: transformers would read them with ours

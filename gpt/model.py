@@ -38,11 +38,32 @@ class GPTConfig:
     rope_llama3: tuple | None = None
     qk_norm: bool = False  # Qwen3: each head's q and k through an RMSNorm of head_dim, before the rotation
     tie_head: bool = True  # the head is the token embedding's matrix
+    # A mixture of experts in place of the MLP (llama only; 0 experts: dense). Each token goes to top_k of
+    # n_expert SwiGLU experts of expert_hidden units, chosen by a router's scores (softmax: Qwen3-MoE's; sigmoid:
+    # DeepSeek-V3's), its output their sum weighted by the scores (renormalised over the top_k with norm_topk),
+    # times route_scale; n_shared_expert experts' worth of one more SwiGLU take every token; the first
+    # `first_dense` blocks keep the dense MLP (DeepSeek's first_k_dense).
+    n_expert: int = 0
+    top_k: int = 2
+    expert_hidden: int | None = None  # ffn_hidden unless set
+    n_shared_expert: int = 0
+    router: str = "softmax"
+    norm_topk: bool = False
+    route_scale: float = 1.0
+    first_dense: int = 0
+    # Balancing. aux_loss_coef: the weight of transformers' load_balancing_loss_func over each forward's tokens;
+    # bias_rate: DeepSeek-V3's per-expert bias, added to the scores for the choice only, moved by this much after
+    # each step toward the under-loaded experts (0: none); capacity_factor: each expert takes at most this
+    # share over an even split of a forward's choices, the rest dropped (counted in the metrics; 0: none dropped).
+    aux_loss_coef: float = 0.0
+    bias_rate: float = 0.0
+    capacity_factor: float = 0.0
 
     def __post_init__(self) -> None:
         if self.family not in ("gpt2", "llama"):
             raise ValueError(f"family {self.family!r}: gpt2 or llama")
         defaults = {"n_kv_head": self.n_head, "head_dim": self.n_embd // self.n_head, "ffn_hidden": 4 * self.n_embd}
+        defaults["expert_hidden"] = self.ffn_hidden or defaults["ffn_hidden"]
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)  # frozen: set once, here
@@ -55,6 +76,13 @@ class GPTConfig:
         if self.family == "gpt2" and (self.n_kv_head != self.n_head or self.qk_norm or not self.tie_head
                                       or self.head_dim * self.n_head != self.n_embd):
             raise ValueError("GPT-2 has full multi-head attention of n_embd / n_head, no qk_norm, a tied head")
+        if self.n_expert:
+            if self.family != "llama":
+                raise ValueError("experts replace the Llama family's SwiGLU MLP: family llama")
+            if not 1 <= self.top_k <= self.n_expert:
+                raise ValueError(f"top_k {self.top_k}: from 1 to n_expert, {self.n_expert}")
+            if self.router not in ("softmax", "sigmoid"):
+                raise ValueError(f"router {self.router!r}: softmax or sigmoid")
 
 
 # The shapes that --model names; vocab_size and seq_len come from the data and --seq_len.
@@ -80,6 +108,19 @@ CONFIGS = {
                         rope_llama3=(8.0, 1.0, 4.0, 8192)),
     "qwen3-0.6b": dict(**QWEN3, n_layer=28, n_head=16, n_kv_head=8, n_embd=1024, ffn_hidden=3072),
     "qwen3-8b": dict(**QWEN3, n_layer=36, n_head=32, n_kv_head=8, n_embd=4096, ffn_hidden=12288, tie_head=False),
+    # Mixtures of experts. moe-tiny: Qwen3-MoE's router (softmax, the top_k renormalised, the auxiliary loss);
+    # moe-mini: DeepSeek-V3's (sigmoid scores scaled, a shared expert, a dense first block, the bias).
+    "moe-tiny": dict(**{**QWEN3, "head_dim": 32}, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, n_expert=4, top_k=2,
+                     expert_hidden=32, norm_topk=True, aux_loss_coef=0.01, tie_head=False),
+    "moe-mini": dict(**LLAMA3, n_layer=4, n_head=8, n_kv_head=4, n_embd=128, ffn_hidden=352, n_expert=8, top_k=2,
+                     expert_hidden=64, n_shared_expert=1, first_dense=1, router="sigmoid", norm_topk=True,
+                     route_scale=2.5, bias_rate=1e-3),
+    "qwen3-30b-a3b": dict(**QWEN3, n_layer=48, n_head=32, n_kv_head=4, n_embd=2048, ffn_hidden=6144, n_expert=128,
+                          top_k=8, expert_hidden=768, norm_topk=True, aux_loss_coef=0.001, tie_head=False),
+    # DeepSeek-V3's experts and widths on this file's attention (grouped-query, not its multi-head latent one)
+    "deepseek-v3-moe": dict(**LLAMA3, n_layer=61, n_head=128, n_kv_head=128, n_embd=7168, ffn_hidden=18432,
+                            n_expert=256, top_k=8, expert_hidden=2048, n_shared_expert=1, first_dense=3,
+                            router="sigmoid", norm_topk=True, route_scale=2.5, bias_rate=1e-3, tie_head=False),
 }
 
 
@@ -143,12 +184,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, hidden: int | None = None) -> None:
         super().__init__()
-        self.swiglu, bias = config.family == "llama", config.family == "gpt2"
-        self.fc = nn.Linear(config.n_embd, config.ffn_hidden, bias=bias)
-        self.gate = nn.Linear(config.n_embd, config.ffn_hidden, bias=False) if self.swiglu else None
-        self.proj = nn.Linear(config.ffn_hidden, config.n_embd, bias=bias)
+        self.swiglu, bias, hidden = config.family == "llama", config.family == "gpt2", hidden or config.ffn_hidden
+        self.fc = nn.Linear(config.n_embd, hidden, bias=bias)
+        self.gate = nn.Linear(config.n_embd, hidden, bias=False) if self.swiglu else None
+        self.proj = nn.Linear(hidden, config.n_embd, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:  # Llama's w2(silu(w1 x) * w3 x): w1 is gate, w3 fc, w2 proj
@@ -156,13 +197,85 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))  # GPT-2's GELU
 
 
-class Block(nn.Module):
+def grouped(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """x's rows (tokens, in), in runs of counts[e] rows for expert e, each run times weight[e] (experts, out,
+    in) transposed, as one nn.Linear per expert: one grouped product where torch has one (torch._grouped_mm:
+    CUDA in bf16; the CPU where each row's bytes are a multiple of 16), else a loop over the experts."""
+    w = weight.transpose(1, 2)  # (experts, in, out)
+    if (x.is_cuda and x.dtype == torch.bfloat16 or x.device.type == "cpu" and x.dtype == torch.float32) \
+            and all(n * x.element_size() % 16 == 0 for n in w.shape[1:]) and hasattr(torch, "_grouped_mm"):
+        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x, w, offs=offsets)
+    return torch.cat([rows @ w_e for rows, w_e in zip(x.split(counts), w, strict=True)])
+
+
+class Experts(nn.Module):
+    """n_expert SwiGLU MLPs, each projection one parameter over all of them (experts, out, in): gate, fc and proj
+    as MLP's, expert e's rows at [e]. Under expert parallel a rank holds a run of experts (gpt/parallelize.py)."""
+
+    def __init__(self, n_expert: int, n_embd: int, hidden: int) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.empty(n_expert, hidden, n_embd))
+        self.fc = nn.Parameter(torch.empty(n_expert, hidden, n_embd))
+        self.proj = nn.Parameter(torch.empty(n_expert, n_embd, hidden))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x's rows sorted by expert, counts[e] of them expert e's (of the experts this module holds)."""
+        return grouped(F.silu(grouped(x, self.gate, counts)) * grouped(x, self.fc, counts), self.proj, counts)
+
+
+class MoE(nn.Module):
+    """A mixture of experts in the MLP's place: the router scores each token for every expert, the token goes to
+    its top_k (the scores plus expert_bias decide, the scores alone weigh), and the output is the weighted sum of
+    those experts' outputs, plus the shared experts'. `routed` is what one forward routed: each expert's count
+    of choices and sum of probabilities (for the auxiliary loss) and the choices dropped (capacity_factor)."""
+
     def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.router = nn.Linear(config.n_embd, config.n_expert, bias=False)
+        self.experts = Experts(config.n_expert, config.n_embd, config.expert_hidden)
+        self.shared = MLP(config, config.n_shared_expert * config.expert_hidden) if config.n_shared_expert else None
+        # outside autograd, saved in checkpoints (a persistent buffer), moved by gpt/parallelize.py's moe_step
+        self.register_buffer("expert_bias", torch.zeros(config.n_expert) if config.bias_rate else None)
+        self.routed = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c, shape = self.config, x.shape
+        x = x.reshape(-1, shape[-1])  # (tokens, n_embd)
+        logits = self.router(x).float()
+        scores = logits.softmax(-1) if c.router == "softmax" else logits.sigmoid()
+        choice = scores if self.expert_bias is None else scores + self.expert_bias
+        chosen = choice.topk(c.top_k, dim=-1).indices  # (tokens, top_k)
+        weights = scores.gather(1, chosen)
+        if c.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = (weights * c.route_scale).to(x.dtype)
+        flat = chosen.flatten()  # choice i is token i // top_k's
+        counts = torch.bincount(flat, minlength=c.n_expert)
+        order = flat.argsort(stable=True)  # the choices by expert, each expert's in token order
+        kept = counts
+        if c.capacity_factor:  # each expert's first `capacity` choices in token order; the rest add nothing
+            capacity = math.ceil(c.capacity_factor * flat.numel() / c.n_expert)
+            within = torch.arange(flat.numel(), device=x.device) - (counts.cumsum(0) - counts)[flat[order]]
+            order, kept = order[within < capacity], counts.clamp(max=capacity)
+        out = torch.zeros(flat.numel(), shape[-1], dtype=x.dtype, device=x.device)
+        out[order] = self.experts(x[order // c.top_k], kept.tolist()).to(x.dtype)
+        y = (out.view(-1, c.top_k, shape[-1]) * weights.unsqueeze(-1)).sum(1)  # the choices' weighted sum
+        if self.shared is not None:
+            y = y + self.shared(x)
+        probs = scores if c.router == "softmax" else scores / scores.sum(-1, keepdim=True)
+        self.routed = (counts.float(), probs.sum(0), (counts - kept).sum())
+        return y.view(shape)
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, layer: int = 0) -> None:
         super().__init__()
         self.ln_1 = norm(config, config.n_embd)
         self.attn = Attention(config)
         self.ln_2 = norm(config, config.n_embd)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.n_expert and layer >= config.first_dense else MLP(config)
         # One Dropout module each: a module called twice per forward breaks torch's CommDebugMode, whose
         # module tracker registers a forward hook at each call (torch 2.13), so the second call pops twice.
         self.attn_dropout, self.mlp_dropout = nn.Dropout(config.dropout), nn.Dropout(config.dropout)
@@ -179,22 +292,55 @@ class GPT(nn.Module):
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.seq_len, config.n_embd) if config.family == "gpt2" else None  # llama: rotary
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layer))
         self.ln_f = norm(config, config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_head:
             self.lm_head.weight = self.wte.weight  # tied: one matrix, listed once by parameters()
+        # the training forwards' routing (tally()) since the last optimizer step, and since the last log line
+        # (gpt/parallelize.py's moe_step and moe_metrics): None in a dense model
+        self.routing = self.interval = None
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """The logits (batch, seq, vocab_size) of idx (batch, seq), or with targets each token's loss
-        (batch × seq). `positions` (seq,): the tokens' places in their sequence, 0 to seq - 1 unless given."""
+        (batch × seq), in training plus aux_loss_coef times the experts' auxiliary loss (so that their mean is
+        the loss transformers' Qwen3-MoE trains). `positions` (seq,): the tokens' places in their sequence, 0 to
+        seq - 1 unless given."""
         x, rope = self.embed(idx, positions)
         for block in self.blocks:
             x = block(x, rope=rope)
         if targets is None:
             return self.lm_head(self.ln_f(x))
-        return self.head_loss(x, targets)
+        losses = self.head_loss(x, targets)
+        if self.config.n_expert and self.training:
+            aux = self.aux_loss(idx.numel())
+            self.tally(aux.detach())
+            losses = losses + self.config.aux_loss_coef * aux
+        return losses
+
+    def moe_layers(self) -> list["MoE"]:
+        return [block.mlp for block in self.blocks if isinstance(block.mlp, MoE)]
+
+    def aux_loss(self, tokens: int) -> torch.Tensor:
+        """transformers' load_balancing_loss_func (Switch Transformer's) over this forward's MoE layers: n_expert
+        times the sum over experts of (their share of the choices) × (their mean probability), both averaged
+        over the layers and the `tokens`: top_k when the choices and the probabilities are even, more the less
+        they are."""
+        routed = [layer.routed for layer in self.moe_layers()]
+        rows = len(routed) * tokens
+        counts, probs = sum(r[0] for r in routed), sum(r[1] for r in routed)
+        return self.config.n_expert * (counts / rows * (probs / rows)).sum()
+
+    @torch.no_grad()
+    def tally(self, aux: torch.Tensor) -> None:
+        """Add this forward's routing to `routing`, one flat tensor (for one all-reduce): each MoE layer's
+        choices per expert, its choices dropped, the auxiliary loss, 1 forward. gpt/parallelize.py's moe_step
+        reads it after the optimizer step (DeepSeek's bias, the metrics)."""
+        routed = [layer.routed for layer in self.moe_layers()]
+        now = torch.cat([torch.stack([r[0] for r in routed]).flatten(), torch.stack([r[2] for r in routed]).float(),
+                         aux.float()[None], aux.new_ones(1)])
+        self.routing = now if self.routing is None else self.routing + now
 
     def embed(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple | None]:
         """(the embedded tokens (batch, seq, n_embd), the rotary tables every block takes, or None for GPT-2,
@@ -221,7 +367,7 @@ class GPT(nn.Module):
         if name.startswith("ln") or ".ln_" in name or name.endswith("_norm.weight"):  # the norms' gains
             return torch.ones(shape)
         std = 0.02
-        if name.endswith(("attn.o.weight", "mlp.proj.weight")):
+        if name.endswith(("attn.o.weight", "mlp.proj.weight", "experts.proj", "shared.proj.weight")):
             std /= math.sqrt(2 * self.config.n_layer)  # projections into the residual stream (GPT-2)
         return torch.empty(shape).normal_(0.0, std, generator=generator)
 
@@ -237,12 +383,14 @@ class GPT(nn.Module):
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token: 6 per parameter that multiplies (forward 2, backward 4: not GPT-2's position
-        table, nor an untied embedding, which are looked up) plus attention's 12 · layers · heads · head_dim ·
-        seq_len (the PaLM paper's estimate, as nanoGPT uses)."""
+        table, nor an untied embedding, which are looked up; of the experts, the top_k a token takes) plus
+        attention's 12 · layers · heads · head_dim · seq_len (the PaLM paper's estimate, as nanoGPT uses)."""
         c = self.config
         looked_up = (self.wpe.weight.numel() if self.wpe is not None else 0) + (0 if c.tie_head else
                                                                                 self.wte.weight.numel())
-        return 6 * (self.num_params() - looked_up) + 12 * c.n_layer * c.n_head * c.head_dim * c.seq_len
+        idle = sum(sum(p.numel() for p in layer.experts.parameters()) for layer in self.moe_layers()) \
+            * (c.n_expert - c.top_k) // max(c.n_expert, 1)  # a token's experts are top_k of n_expert: active
+        return 6 * (self.num_params() - looked_up - idle) + 12 * c.n_layer * c.n_head * c.head_dim * c.seq_len
 
     @classmethod
     def load(cls, path: str) -> "GPT":

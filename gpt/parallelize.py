@@ -84,6 +84,8 @@ def check_layout(args: argparse.Namespace, config: GPTConfig, world_size: int) -
         raise ValueError(f"--shard_size {shard_size(args, world_size)} does not divide the {dp} data-parallel ranks")
     if args.pp > 1:
         pipeline.check(args, config)
+    if config.n_expert and (args.tp > 1 or args.pp > 1):  # issue 59: the experts under tp and pp come next
+        raise ValueError("a mixture of experts trains under ddp, fsdp and hsdp so far: no --tp or --pp")
     for what in ("n_head", "n_kv_head", "n_embd", "ffn_hidden", "vocab_size", "seq_len"):
         if getattr(config, what) % args.tp:
             raise ValueError(f"--tp {args.tp} does not divide the model's {what}, {getattr(config, what)}")
@@ -130,6 +132,7 @@ def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespac
         # tied head would be a matrix of its own. FSDP's DTensors are swapped in place, and stay tied.
         if model.config.tie_head:
             model.lm_head.weight = model.wte.weight
+        zero_buffers(model)
         if start is None:
             model.init_weights(args.seed)
         else:  # the same parameters, in the same order, as `order` names them
@@ -160,6 +163,7 @@ def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespac
         # the rest: embeddings, final norm, tied head (the root: FSDP keeps it gathered after its forward anyway)
         fully_shard(part, mesh=dp_mesh, mp_policy=policy, **({"reshard_after_forward": False} if ids else {}))
         part.to_empty(device=device)
+        zero_buffers(part)
     if init:
         generator = torch.Generator().manual_seed(args.seed)
         held = {}  # name: this rank's parameters of that name; a last stage's tied lm_head.weight, drawn as wte.weight
@@ -176,6 +180,47 @@ def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespac
     if ids:
         return pipeline.Pipeline(parts, ids, mesh, args, device, DTYPES[args.precision], lambda: loss_context(mesh))
     return model
+
+
+def zero_buffers(model: nn.Module) -> None:
+    """The buffers to_empty left as allocated, set to their start: DeepSeek's expert biases, zeros."""
+    with torch.no_grad():
+        for buffer in model.buffers():
+            buffer.zero_()
+
+
+def moe_step(model: nn.Module) -> None:
+    """After each optimizer step: every data rank's routing of the step (GPT.tally) summed, DeepSeek-V3's
+    expert biases moved by bias_rate toward the under-loaded experts (the sign of each layer's mean count less
+    the expert's, as torchtitan moves them), the same on every rank, and the sums kept for moe_metrics()."""
+    gpt = getattr(model, "module", model)  # DDP's
+    if not isinstance(gpt, GPT) or gpt.routing is None:
+        return
+    routing, gpt.routing = gpt.routing, None
+    dist.all_reduce(routing)  # no tp or pp with experts yet (check_layout): every rank is a data rank
+    layers, c = gpt.moe_layers(), gpt.config
+    if c.bias_rate:
+        with torch.no_grad():
+            for layer, counts in zip(layers, routing[:len(layers) * c.n_expert].view(len(layers), -1), strict=True):
+                layer.expert_bias += c.bias_rate * torch.sign(counts.mean() - counts)
+    gpt.interval = routing if gpt.interval is None else gpt.interval + routing
+
+
+def moe_metrics(model: nn.Module, record: dict, line: str) -> tuple[dict, str]:
+    """The log's record and line with the experts' figures since the last call: the auxiliary loss (the mean of
+    the forwards'), the load (over the layers, the most the busiest expert took over the mean: 1 is even), and
+    with a capacity factor the share of choices dropped. A dense model's as they were."""
+    gpt = getattr(model, "module", model)
+    routing = gpt.interval if isinstance(gpt, GPT) else None
+    if routing is None:
+        return record, line
+    gpt.interval, c, n = None, gpt.config, len(gpt.moe_layers())
+    counts = routing[:n * c.n_expert].view(n, -1)
+    moe = {"aux_loss": (routing[-2] / routing[-1]).item(),
+           "expert_load": (counts.max(-1).values / counts.mean(-1)).max().item()}
+    if c.capacity_factor:
+        moe["dropped"] = (routing[n * c.n_expert:-2].sum() / counts.sum()).item()
+    return {**record, **moe}, line + " | " + " ".join(f"{name} {value:.3f}" for name, value in moe.items())
 
 
 def keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:

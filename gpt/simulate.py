@@ -181,6 +181,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.grad_accum > 1 and args.pp == 1:  # one forward here, where train.py runs --grad_accum micro-steps
         p.error("--grad_accum is a pipeline's micro-batches: give it with --pp (without, count one step of "
                 "--batch_size)")
+    if SIZES[args.model].get("n_expert"):  # the experts' routing (their token counts) comes from values it lacks
+        p.error(f"--model {args.model}: a mixture of experts, which simulate.py does not count yet")
     if args.ranks and args.parallel == "ddp":  # and DDP's reducer fails on the fake group's results
         p.error("ddp holds the whole model on every rank and all-reduces every gradient once a step (at one rank, "
                 "nothing: the model alone): count it under torchrun")

@@ -335,6 +335,7 @@ def train_step(model: torch.nn.Module | pipeline.Pipeline, optimizer: torch.opti
     pipe = model if isinstance(model, pipeline.Pipeline) else None
     grad_norm = (pipe or parallelize).clip_gradients(*([] if pipe else [model]), args.grad_clip)
     scaler.step(optimizer)
+    parallelize.moe_step(model)  # the experts' routing: DeepSeek's bias
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
@@ -384,7 +385,6 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
     global_batch = args.batch_size * args.grad_accum * dp_size
     val_starts = data.val_starts(len(tokens.val), args.seq_len, args.val_tokens)
     peak = peak_flops(args, device)
-    metrics = None
     if rank == 0:
         shape = " × ".join(f"{name} {n}" for name, n in zip(mesh.mesh_dim_names, mesh.shape, strict=True)) \
             if mesh is not None and mesh.ndim > 1 else ""
@@ -408,8 +408,7 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
             print(f"no mfu: the peak of {torch.cuda.get_device_name(device)} is not known; give --peak_tflops",
                   flush=True)
     first_step = resume(args, checkpoints, parts, optimizers, scaler, config, rank)
-    if rank == 0:
-        metrics = open_metrics(args.out_dir, first_step)
+    metrics = open_metrics(args.out_dir, first_step) if rank == 0 else None
     if isinstance(model, DDP) and first_step < args.max_steps:
         starts = data.batch_starts(first_step, args.seed, len(tokens.train), args.seq_len, global_batch)
         x = data.windows(tokens.train, starts[:args.batch_size], args.seq_len, device)[0]
@@ -483,6 +482,7 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
                           "tokens_per_s": tokens_per_s}
                 line = (f"step {step + 1} | loss {loss:.4f} | lr {lr:.2e} | grad_norm {grad_norm.item():.3f} | "
                         f"{tokens_per_s:,.0f} tok/s")
+                record, line = parallelize.moe_metrics(model, record, line)  # the experts' figures, if any
                 if peak:
                     record["mfu"] = tokens_per_s * flops_per_token / (world_size * peak)
                     line += f" | mfu {record['mfu']:.1%}"

@@ -1,0 +1,43 @@
+"""gpt/train.py with moe-tiny's GPTConfig changed by MOE_OPTIONS (JSON: fields and values) and, with MOE_BIAS (JSON:
+one number per expert), every MoE layer's expert biases starting there, not at 0: a router so skewed that every
+token takes the same experts and the others none. With MOE_NO_REDUCE set, moe_step sums no rank's routing but its
+own (the test that shows the MoE proof can fail). For tests/test_gpt_moe.py; main() is gpt/train.py's."""
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "gpt"))
+for name in ("model", "data", "train"):  # the root's model.py and data.py, preloaded: gpt/ has its own
+    sys.modules.pop(name, None)
+import train  # noqa: E402
+
+import model  # noqa: E402  gpt/model.py, as train imported it
+
+model.CONFIGS["moe-tiny"] = {**model.CONFIGS["moe-tiny"], **json.loads(os.environ.get("MOE_OPTIONS", "{}"))}
+zero_buffers, moe_step = train.parallelize.zero_buffers, train.parallelize.moe_step
+
+
+def skewed(gpt: torch.nn.Module) -> None:
+    zero_buffers(gpt)
+    for module in gpt.modules():
+        if isinstance(module, model.MoE):
+            module.expert_bias.copy_(torch.tensor(json.loads(os.environ["MOE_BIAS"])))
+
+
+def unreduced(model: torch.nn.Module) -> None:
+    all_reduce = train.parallelize.dist.all_reduce
+    train.parallelize.dist.all_reduce = lambda tensor, *args, **kwargs: None
+    try:
+        moe_step(model)
+    finally:
+        train.parallelize.dist.all_reduce = all_reduce
+
+
+if "MOE_BIAS" in os.environ:
+    train.parallelize.zero_buffers = skewed
+if "MOE_NO_REDUCE" in os.environ:
+    train.parallelize.moe_step = unreduced
+main = train.main
