@@ -53,7 +53,7 @@ class GPTConfig:
     first_dense: int = 0
     # Balancing. aux_loss_coef: the weight of transformers' load_balancing_loss_func over each forward's tokens;
     # bias_rate: DeepSeek-V3's per-expert bias, added to the scores for the choice only, moved by this much after
-    # each step toward the under-loaded experts (0: none); capacity_factor: each expert takes at most this
+    # each step toward the under-loaded experts (0: none); capacity_factor: in training, each expert takes at most this
     # share over an even split of a forward's choices, the rest dropped (counted in the metrics; 0: none dropped).
     aux_loss_coef: float = 0.0
     bias_rate: float = 0.0
@@ -255,7 +255,9 @@ class MoE(nn.Module):
         counts = torch.bincount(flat, minlength=c.n_expert)
         order = flat.argsort(stable=True)  # the choices by expert, each expert's in token order
         kept = counts
-        if c.capacity_factor:  # each expert's first `capacity` choices in token order; the rest add nothing
+        if c.capacity_factor and self.training:  # each expert's first `capacity` choices in token order, the rest
+            # adding nothing; in evaluation none dropped (as transformers' Qwen3-MoE, and servers): a token's loss
+            # does not depend on the others in its batch
             capacity = math.ceil(c.capacity_factor * flat.numel() / c.n_expert)
             within = torch.arange(flat.numel(), device=x.device) - (counts.cumsum(0) - counts)[flat[order]]
             order, kept = order[within < capacity], counts.clamp(max=capacity)

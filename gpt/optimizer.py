@@ -12,26 +12,29 @@ from torch.distributed.tensor import DTensor
 @torch.no_grad()  # to_local() with grad enabled is an autograd Function's call, per gradient
 def grad_norm(grads: list[torch.Tensor], sharded: bool, device: torch.device,
               across: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The 2-norm of the whole gradient. DDP: every rank holds all of it, the same. Sharded (DTensors on one
-    mesh: FSDP's shards, tp's; on each dimension sharded or replicated once FSDP has reduced them): each
+    """The 2-norm of the whole gradient. DDP: every rank holds all of it, the same. Sharded (DTensors, on one
+    mesh or, under --ep, the experts' on another: FSDP's shards, tp's, ep's; on each dimension sharded or
+    replicated once FSDP has reduced them): for each mesh, each
     parameter's squared norm on its local tensor, then over each dimension that shards some parameter one
     all-reduce of the vector (a parameter that dimension replicates counted by its first rank alone); `across`,
     a pipeline's group, adds the stages' sums. The collectives DTensor's own clip_grad_norm_ makes, without its
     host cost: it decides how each norm is sharded at every step (on a CPU, one parameter at a time)."""
     if not sharded:
         return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
-    squares = torch.zeros(max(1, len(grads)), device=device)
-    if grads:  # none when FSDP was told not to reduce: on every rank alike
-        squares = torch.stack(torch._foreach_norm([g.to_local() for g in grads])).square()
-        mesh = grads[0].device_mesh
+    total = torch.zeros((), device=device)
+    meshes = {}  # --ep: the experts' DTensors are on a mesh of their own
+    for g in grads:  # none when FSDP was told not to reduce: on every rank alike
+        meshes.setdefault(g.device_mesh, []).append(g)
+    for mesh, some in meshes.items():
+        squares = torch.stack(torch._foreach_norm([g.to_local() for g in some])).square()
         for dim in range(mesh.ndim):
-            shard = [not g.placements[dim].is_replicate() for g in grads]  # Shard, or FSDP's _StridedShard under tp
+            shard = [not g.placements[dim].is_replicate() for g in some]  # Shard, or FSDP's _StridedShard under tp
             if not any(shard) or mesh.size(dim) == 1:
                 continue
             if not all(shard) and mesh.get_local_rank(dim) != 0:
                 squares = squares * torch.tensor(shard, device=device)
             dist.all_reduce(squares, group=mesh.get_group(dim))
-    total = squares.sum()
+        total = total + squares.sum()
     if across is not None:
         dist.all_reduce(total, group=across)
     return total.sqrt()

@@ -14,6 +14,7 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -24,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import pipeline
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, grouped
 from optimizer import clip, grad_norm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -42,8 +43,10 @@ def refused_layout(args: argparse.Namespace) -> str | None:
     --pp_schedule's default. simulate.py calls it too, so that it refuses what train.py refuses."""
     if args.shard_size is not None and (args.parallel != "hsdp" or args.shard_size < 1):
         return "--shard_size is for --parallel hsdp, and must be at least 1"
-    if args.tp < 1 or args.pp < 1:
-        return "--tp and --pp must be at least 1"
+    if args.tp < 1 or args.pp < 1 or args.ep < 1:
+        return "--tp, --pp and --ep must be at least 1"
+    if args.ep > 1 and args.parallel == "ddp":  # the experts' shards need FSDP's groups of what ep leaves
+        return f"--ep {args.ep} needs --parallel fsdp or hsdp (ep alone: --parallel fsdp --ep N on N ranks)"
     if args.pp_schedule and args.pp == 1:
         return "--pp_schedule is for --pp above 1"
     args.pp_schedule = args.pp_schedule or ("1F1B" if args.pp > 1 else None)  # None: no pipeline, in the checkpoint
@@ -86,6 +89,15 @@ def check_layout(args: argparse.Namespace, config: GPTConfig, world_size: int) -
         pipeline.check(args, config)
     if config.n_expert and (args.tp > 1 or args.pp > 1):  # issue 59: the experts under tp and pp come next
         raise ValueError("a mixture of experts trains under ddp, fsdp and hsdp so far: no --tp or --pp")
+    if args.ep > 1:
+        shard = dp if args.parallel == "fsdp" else shard_size(args, world_size)
+        if not config.n_expert:
+            raise ValueError(f"--ep {args.ep}: the model has no experts (a mixture of experts: --model moe-tiny)")
+        if config.n_expert % args.ep:
+            raise ValueError(f"--ep {args.ep} does not divide the model's {config.n_expert} experts")
+        if shard % args.ep:
+            raise ValueError(f"--ep {args.ep} does not divide the {shard} ranks that shard the weights (fsdp: the "
+                             "data-parallel ranks; hsdp: --shard_size)")
     for what in ("n_head", "n_kv_head", "n_embd", "ffn_hidden", "vocab_size", "seq_len"):
         if getattr(config, what) % args.tp:
             raise ValueError(f"--tp {args.tp} does not divide the model's {what}, {getattr(config, what)}")
@@ -151,6 +163,8 @@ def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespac
     for part in parts:
         if "tp" in mesh.mesh_dim_names:
             tensor_parallel(part, mesh["tp"])  # FSDP then shards each tp shard again, over the data-parallel ranks
+        if args.ep > 1:
+            expert_parallel(part, dp_mesh, args.ep, policy)
         # One all-gather per block, freed after its forward and gathered again for its backward; under the
         # schedules that split each backward in two (torch 2.13), the last stage's blocks so sharded lose their
         # weights' gradients (None, measured): one per stage. The last block is kept gathered after its forward
@@ -180,6 +194,77 @@ def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespac
     if ids:
         return pipeline.Pipeline(parts, ids, mesh, args, device, DTYPES[args.precision], lambda: loss_context(mesh))
     return model
+
+
+def expert_parallel(model: GPT, dp_mesh: DeviceMesh, ep: int, policy: MixedPrecisionPolicy) -> None:
+    """--ep: each MoE layer's experts split over groups of `ep` neighbouring data-parallel ranks (as torchtitan
+    takes ep from FSDP's ranks), each rank holding n_expert / ep of them (a DTensor sharded by experts on the ep
+    mesh), the tokens sent to them and back by ep_forward; and sharded again by FSDP over what is left (the shard
+    ranks / ep; hsdp: replicated across shard groups as the rest is). Each expert's gradient then sums every
+    ep rank's tokens' before FSDP averages it over the rest: ep_forward divides it by ep, so that it is the mean
+    over all the data-parallel ranks, as the other weights' is. (FSDP's set_gradient_divide_factor would do it,
+    but gloo has no PREMUL_SUM, and with set_force_sum_reduction_for_comms torch 2.13 divides twice where FSDP's
+    group is one rank.)"""
+    names = dp_mesh.mesh_dim_names
+    shape = (*dp_mesh.shape[:-1], dp_mesh.shape[-1] // ep, ep)  # fsdp: (shard / ep, ep); hsdp: (replicate, ...)
+    mesh = init_device_mesh(dp_mesh.device_type, shape, mesh_dim_names=(*names[:-1], "expert_shard", "ep"))
+    for layer in model.moe_layers():
+        experts = layer.experts
+        for name, param in list(experts.named_parameters(recurse=False)):
+            experts.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh["ep"], [Shard(0)],
+                                                                            src_data_rank=None)))
+        experts.forward = functools.partial(ep_forward, experts, mesh["ep"].get_group())
+        fully_shard(experts, mesh=mesh[(*names[:-1], "expert_shard")], mp_policy=policy)
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all_single over `group`: splits_in[r] of x's rows to rank r, splits_out[r] from it; the gradient
+    back the other way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, splits_out: list[int], splits_in: list[int], group) -> torch.Tensor:
+        ctx.back = (splits_in, splits_out, group)
+        out = x.new_empty(sum(splits_out), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), splits_out, splits_in, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return AllToAll.apply(grad, *ctx.back), None, None, None
+
+
+class ScaleGrad(torch.autograd.Function):
+    """x itself, its gradient times `scale`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def ep_forward(experts: nn.Module, group: dist.ProcessGroup, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Experts.forward under --ep: x's rows sorted by expert (counts[e] for each of all n_expert experts) sent to
+    the ranks that hold their experts (counts first, with all_to_all_single, then the rows), each rank's own
+    experts run on what it received (from every rank of the group, sorted by its experts), and the results sent
+    back the same way, in x's order. Nothing is of a fixed size: a rank that every token chooses gets them all."""
+    ep, mine = group.size(), experts.gate.to_local().shape[0]  # this rank's experts: n_expert / ep
+    sent = torch.tensor(counts, device=x.device)
+    got = torch.empty_like(sent)
+    dist.all_to_all_single(got, sent, group=group)  # got[r * mine + e]: rows rank r sends to my expert e
+    got_by_rank = got.view(ep, mine)
+    splits_out, splits_in = got_by_rank.sum(1).tolist(), sent.view(ep, mine).sum(1).tolist()
+    rows = AllToAll.apply(x, splits_out, splits_in, group)
+    expert = torch.arange(mine, device=x.device).repeat(ep).repeat_interleave(got)  # each received row's expert
+    order = expert.argsort(stable=True)  # by expert, each expert's rows by sending rank, each rank's in its order
+    w = [ScaleGrad.apply(p.to_local(), 1 / ep) for p in (experts.gate, experts.fc, experts.proj)]
+    local = got_by_rank.sum(0).tolist()
+    y = grouped(F.silu(grouped(rows[order], w[0], local)) * grouped(rows[order], w[1], local), w[2], local)
+    back = torch.empty_like(y).index_copy(0, order, y)  # the received order again: by sending rank
+    return AllToAll.apply(back, splits_in, splits_out, group)
 
 
 def zero_buffers(model: nn.Module) -> None:

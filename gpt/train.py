@@ -95,6 +95,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pp", type=int, default=1, help="fsdp, hsdp: pipeline parallel over this many ranks (far "
                                                       "apart), which read the same\nbatch in --grad_accum "
                                                       "micro-batches (1F1B: at least --pp of them; 1: none)")
+    p.add_argument("--ep", type=int, default=1, help="fsdp, hsdp: expert parallel over groups of this many "
+                                                      "data-parallel ranks,\neach holding n_expert / ep experts "
+                                                      "(1: none)")
     p.add_argument("--pp_schedule", choices=pipeline.SCHEDULES,
                    help="--pp's schedule, torch.distributed.pipelining's (default: 1F1B); Interleaved1F1B,\n"
                         "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble and DualPipeV hold two stages per rank")

@@ -48,6 +48,11 @@ TP_SPLIT = (6, 2)  # tp 2 alone, one data-parallel rank: few micro-steps (tp's, 
 # (Adam divides by the root of the squared gradient, which magnifies tiny differences); a run
 # without the gradient reduction is off by 2e-2 in both.
 LOSS_RTOL, WEIGHT_ATOL = 1e-5, 5e-5
+# Under QK-norm (Qwen3) the loss does not change with the scale of a head's q or k, so each head's q and k weights
+# get a gradient with no component along themselves: entries that cancel to near zero, where Adam's division by
+# their own root mean square magnifies rounding. Measured at 3 ranks on an AMD EPYC: one entry of 4,096 in a k
+# weight 6.3e-5 from one process's (2% of lr 3e-3; within 5e-5 on an Intel Xeon); without the reduction, 2e-2.
+QK_ATOL = 2e-4
 FOLDERS = tempfile.TemporaryDirectory()  # each run's out_dir and export, removed with the session
 
 
@@ -119,8 +124,10 @@ def assert_same_training(reference, other, what: str) -> None:
     val = [r["val_loss"] for r in records if "val_loss" in r]
     np.testing.assert_allclose(val, [r["val_loss"] for r in ref_records if "val_loss" in r], rtol=LOSS_RTOL)
     assert weights.keys() == ref_weights.keys()
+    qk_norm = any(name.endswith("attn.q_norm.weight") for name in weights)
     for name in weights:
-        torch.testing.assert_close(weights[name], ref_weights[name], rtol=0, atol=WEIGHT_ATOL, msg=f"{what}: {name}")
+        atol = QK_ATOL if qk_norm and name.endswith(("attn.q.weight", "attn.k.weight")) else WEIGHT_ATOL
+        torch.testing.assert_close(weights[name], ref_weights[name], rtol=0, atol=atol, msg=f"{what}: {name}")
 
 
 def one_process():

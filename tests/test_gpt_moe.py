@@ -46,9 +46,9 @@ def run(nproc: int, env: tuple = (), *argv: str) -> tuple[list[dict], dict[str, 
         result.stdouts[0]
 
 
-def split(parallel: str, nproc: int, batch_size: int, grad_accum: int, model: str, env: tuple = ()):
+def split(parallel: str, nproc: int, batch_size: int, grad_accum: int, *more: str, model: str, env: tuple = ()):
     return run(nproc, env, "--parallel", parallel, "--batch_size", str(batch_size), "--grad_accum", str(grad_accum),
-               "--model", model)
+               "--model", model, *more)
 
 
 def assert_same_routing(reference, other, what: str) -> None:
@@ -186,9 +186,10 @@ def test_the_published_moe_shapes_have_transformers_parameter_counts():
 # ---------------------------------------------------------------------------------------------------------------
 # Layouts against one process
 
-LAYOUTS = {  # (--parallel, ranks, --batch_size, --grad_accum): 12 sequences a step, in micro-batches of 2 or of 1
-    "moe-tiny": [("ddp", 2, 2, 3), ("fsdp", 3, 2, 2), ("hsdp", 4, 1, 3)],
-    "moe-mini": [("fsdp", 2, 2, 3), ("hsdp", 4, 1, 3)],
+LAYOUTS = {  # (--parallel, ranks, --batch_size, --grad_accum, more): 12 sequences a step, micro-batches of 2 or 1
+    "moe-tiny": [("ddp", 2, 2, 3), ("fsdp", 3, 2, 2), ("hsdp", 4, 1, 3), ("fsdp", 2, 2, 3, "--ep", "2"),
+                 ("fsdp", 4, 1, 3, "--ep", "4"), ("hsdp", 4, 1, 3, "--shard_size", "2", "--ep", "2")],
+    "moe-mini": [("fsdp", 2, 2, 3), ("hsdp", 4, 1, 3), ("fsdp", 4, 1, 3, "--ep", "2")],
 }
 SKEWED = (("MOE_OPTIONS", '{"bias_rate": 0.001}'), ("MOE_BIAS", "[1.0, 1.0, 0.0, 0.0]"))
 CAPACITY = (("MOE_OPTIONS", '{"capacity_factor": 1.0}'),)
@@ -201,35 +202,38 @@ def test_a_mixture_of_experts_trains_in_every_layout_what_one_process_trains(mod
     """The same micro-batches (one process at the layout's --batch_size): the loss with its auxiliary term, the
     gradient's norm, the validation loss, the auxiliary loss and the load logged, and every exported weight and
     expert bias, within the GPT-2 proofs' tolerances."""
-    reference = split("ddp", 1, layout[2], 12 // layout[2], model)
+    reference = split("ddp", 1, layout[2], 12 // layout[2], model=model)
     losses = [r["loss"] for r in reference[0] if "loss" in r]
     assert losses[-1] < losses[0] - 0.1 and "aux_loss" in reference[0][0]
     if model == "moe-mini":  # the bias moved, by 1e-3 a step
         biases = [v for k, v in reference[1].items() if k.endswith("expert_bias")]
         assert len(biases) == 3 and all(b.abs().max() > 1e-3 for b in biases)
-    assert_same_routing(reference, split(*layout, model), f"{model}: {layout}")
+    assert_same_routing(reference, split(*layout, model=model), f"{model}: {layout}")
 
 
-@pytest.mark.parametrize("env", [SKEWED, CAPACITY], ids=["skewed", "capacity"])
-def test_a_skewed_router_and_a_capacity_train_at_3_ranks_what_one_process_trains(env):
+@pytest.mark.parametrize(("env", "layout"), [(SKEWED, ("fsdp", 3, 2, 2)), (SKEWED, ("fsdp", 2, 2, 3, "--ep", "2")),
+                                             (CAPACITY, ("fsdp", 3, 2, 2)), (CAPACITY, ("fsdp", 2, 2, 3, "--ep", "2"))],
+                         ids=["skewed", "skewed-ep2", "capacity", "capacity-ep2"])
+def test_a_skewed_router_and_a_capacity_train_in_other_layouts_what_one_process_trains(env, layout):
     """moe-tiny whose biases start at 1 for experts 0 and 1: every token takes both, experts 2 and 3 none, so the load
-    is 2 (the busiest expert's count over the mean) at the first step; and a capacity factor of 1, which drops."""
-    reference = split("ddp", 1, 2, 6, "moe-tiny", env)
+    is 2 (the busiest expert's count over the mean) at the first step, and at ep 2 one rank gets every token, the
+    other none; and a capacity factor of 1, which drops."""
+    reference = split("ddp", 1, 2, 6, model="moe-tiny", env=env)
     first = reference[0][0]
     if env is SKEWED:
         assert first["expert_load"] == 2.0
     else:
         assert 0 < first["dropped"] < 0.5
-    assert_same_routing(reference, split("fsdp", 3, 2, 2, "moe-tiny", env), str(env))
+    assert_same_routing(reference, split(*layout, model="moe-tiny", env=env), str(env))
 
 
 def test_the_moe_proof_fails_when_each_rank_moves_the_bias_on_its_own_tokens():
     """tests/gpt_moe_options.py with MOE_NO_REDUCE: each rank's expert biases move by its own counts alone, so the
     ranks' routing parts from one process's."""
     env = (("MOE_OPTIONS", '{"bias_rate": 0.01}'), ("MOE_NO_REDUCE", "1"))
-    reference = split("ddp", 1, 2, 6, "moe-tiny", env[:1])
+    reference = split("ddp", 1, 2, 6, model="moe-tiny", env=env[:1])
     with pytest.raises(AssertionError):
-        assert_same_routing(reference, split("fsdp", 3, 2, 2, "moe-tiny", env), "no reduction of the routing")
+        assert_same_routing(reference, split("fsdp", 3, 2, 2, model="moe-tiny", env=env), "no reduction of routing")
 
 
 def test_a_moe_checkpoint_resumes_in_its_layout_bit_for_bit_and_at_other_world_sizes(tmp_path):
@@ -334,9 +338,9 @@ def test_the_first_loss_from_a_qwen3_moe_is_transformers_loss(nproc, layout, qwe
 
 
 def test_a_trained_moe_exports_to_qwen3_moe_and_back_bit_for_bit(tmp_path):
-    """moe-tiny trained under fsdp 3 (tests above): transformers' logits from the exported folder equal ours within
-    1e-5; read back, every weight the same, bit for bit."""
-    _, state, _ = split("fsdp", 3, 2, 2, "moe-tiny")
+    """moe-tiny trained under fsdp 2 × ep 2 (tests above): transformers' logits from the exported folder equal ours
+    within 1e-5; read back, every weight the same, bit for bit."""
+    _, state, _ = split("fsdp", 2, 2, 3, "--ep", "2", model="moe-tiny")
     config = GPTConfig(**{**CONFIGS["moe-tiny"], "vocab_size": state["wte.weight"].shape[0], "seq_len": 32})
     ours = GPT(config)
     ours.load_state_dict(state)
