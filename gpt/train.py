@@ -95,9 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pp", type=int, default=1, help="fsdp, hsdp: pipeline parallel over this many ranks (far "
                                                       "apart), which read the same\nbatch in --grad_accum "
                                                       "micro-batches (1F1B: at least --pp of them; 1: none)")
-    p.add_argument("--ep", type=int, default=1, help="fsdp, hsdp: expert parallel over groups of this many "
-                                                      "data-parallel ranks,\neach holding n_expert / ep experts "
-                                                      "(1: none)")
+    p.add_argument("--ep", type=int, default=1, help="fsdp, hsdp: expert parallel over groups of this many data-"
+                                                      "parallel ranks,\neach holding n_expert / ep experts (1: none)")
     p.add_argument("--pp_schedule", choices=pipeline.SCHEDULES,
                    help="--pp's schedule, torch.distributed.pipelining's (default: 1F1B); Interleaved1F1B,\n"
                         "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble and DualPipeV hold two stages per rank")
@@ -138,8 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", type=steps_range, metavar="A:B", help="write a torch.profiler trace of steps A to B "
                                                                       "per rank to OUT_DIR/profile (Perfetto opens it)")
     args = p.parse_args(argv)
-    if args.model is None and args.init_from is None:
-        args.model = "tiny"
+    args.model = "tiny" if args.model is None and args.init_from is None else args.model
     for name in ("max_steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_every", "val_tokens",
                  "vocab_size", "keep"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -161,8 +159,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--seed must be below 2**64 (torch.manual_seed's range)")
     if args.vocab_size is not None and args.data == "synthetic":
         p.error(f"--vocab_size is for files; the synthetic data has {data.SYNTHETIC_VOCAB} tokens")
-    refused = parallelize.refused_layout(args)  # simulate.py refuses the same: one function
-    if refused:
+    if refused := parallelize.refused_layout(args):  # simulate.py refuses the same: one function
         p.error(refused)
     return args
 
@@ -392,9 +389,9 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
         shape = " × ".join(f"{name} {n}" for name, n in zip(mesh.mesh_dim_names, mesh.shape, strict=True)) \
             if mesh is not None and mesh.ndim > 1 else ""
         print(f"gpt {args.model or args.init_from} ({n_params / 1e6:.2f}M parameters) | {args.parallel} on "
-              f"{world_size} "
-              f"rank{'s' if world_size > 1 else ''}{f' ({shape})' if shape else ''}"
-              f"{f', schedule {args.pp_schedule}' if args.pp > 1 else ''}, {device.type}"
+              f"{world_size} rank{'s' if world_size > 1 else ''}{f' ({shape})' if shape else ''}"
+              f"{f', schedule {args.pp_schedule}' if args.pp > 1 else ''}{f', ep {args.ep}' if args.ep > 1 else ''}, "
+              f"{device.type}"
               f"{'' if args.activation_checkpoint == 'none' else f', {args.activation_checkpoint} checkpointing'} | "
               f"data {tokens.summary()} | global batch {global_batch} × {args.seq_len} tokens"
               f"{f' | weights from {args.init_from}' if args.init_from and not resuming[0] else ''}", flush=True)

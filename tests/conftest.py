@@ -32,7 +32,8 @@ def ddp_runs() -> dict[int, tuple[list[dict], list[str]]]:
 # The slowest files first: pytest-xdist hands out whole files (--dist loadfile; --no-loadscope-reorder keeps
 # this order, where its own puts the files with the most tests first), and a long file handed out last would
 # run alone at the end while the other worker idles. By their seconds in a CI run on 2 cores (2026-11-28).
-SLOWEST = ["test_gpt.py", "test_gpt_checkpoints.py", "test_gpt_llama.py", "test_docs_output.py", "test_torchft.py",
+SLOWEST = ["test_gpt.py", "test_gpt_checkpoints.py", "test_gpt_llama.py", "test_gpt_moe.py", "test_docs_output.py",
+           "test_torchft.py",
            "test_multinode.py", "test_gpt_simulate.py", "test_deepspeed_zero.py", "test_pipeline_parallel.py",
            "test_gpt_sbatch.py", "test_launchers.py", "test_fault_tolerance.py", "test_readme.py", "test_gpt_data.py",
            "test_gpt_hf.py", "test_tensor_parallel.py", "test_zero_by_hand.py"]

@@ -236,15 +236,16 @@ def test_the_moe_proof_fails_when_each_rank_moves_the_bias_on_its_own_tokens():
         assert_same_routing(reference, split("fsdp", 3, 2, 2, model="moe-tiny", env=env), "no reduction of routing")
 
 
-def test_a_moe_checkpoint_resumes_in_its_layout_bit_for_bit_and_at_other_world_sizes(tmp_path):
-    """moe-mini, 8 steps under fsdp 2, a checkpoint at step 4 (the expert biases in it); resumed by the same command
-    (every later record and weight the same, bit for bit), by fsdp 4 and by one process (within 1e-5: a sum split
-    otherwise)."""
+def test_a_moe_checkpoint_resumes_in_its_layout_bit_for_bit_and_across_ep_degrees(tmp_path):
+    """moe-mini, 8 steps under fsdp 2 × ep 2, a checkpoint at step 4 (the expert biases in it); resumed by the same
+    command (every later record and weight the same, bit for bit), at fsdp 4 × ep 4 and by one process (within
+    1e-5: a sum split otherwise); hf.py exports the checkpoint folder, read in one process."""
     argv = [*ARGV, "--model", "moe-mini", "--save_every", "4", "--export", "model.pt", "--out_dir", "out"]
+    ep2 = ["--parallel", "fsdp", "--ep", "2", "--batch_size", "2", "--grad_accum", "3"]
     runs = {}
-    for name, nproc, more in (("whole", 2, ["--parallel", "fsdp", "--batch_size", "2", "--grad_accum", "3"]),
-                              ("same", 2, ["--parallel", "fsdp", "--batch_size", "2", "--grad_accum", "3"]),
-                              ("four", 4, ["--parallel", "fsdp", "--batch_size", "1", "--grad_accum", "3"]),
+    for name, nproc, more in (("whole", 2, ep2), ("same", 2, ep2),
+                              ("four", 4, ["--parallel", "fsdp", "--ep", "4", "--batch_size", "1", "--grad_accum",
+                                           "3"]),
                               ("one", 1, ["--batch_size", "2", "--grad_accum", "6"])):
         folder = tmp_path / name
         folder.mkdir()
@@ -264,6 +265,31 @@ def test_a_moe_checkpoint_resumes_in_its_layout_bit_for_bit_and_at_other_world_s
     for mine, theirs in zip(runs["one"], runs["whole"], strict=True):
         for key in mine.keys() - {"step"}:
             assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=0), (key, mine, theirs)
+    config, state, _ = hf.read(str(tmp_path / "whole" / "out" / "step_00000008"))
+    assert all(torch.equal(state[k], v) for k, v in exported["whole"].items())
+
+
+@pytest.mark.parametrize(("nproc", "argv", "error"), [
+    (2, ["--parallel", "ddp", "--ep", "2"], "--ep 2 needs --parallel fsdp or hsdp"),
+    (3, ["--parallel", "fsdp", "--ep", "3"], "--ep 3 does not divide the model's 4 experts"),
+    (3, ["--parallel", "fsdp", "--ep", "2"], "--ep 2 does not divide the 3 ranks that shard the weights"),
+    (4, ["--parallel", "hsdp", "--shard_size", "2", "--ep", "4"], "--ep 4 does not divide the 2 ranks that shard"),
+    (2, ["--parallel", "fsdp", "--ep", "2", "--model", "llama-tiny"], "--ep 2: the model has no experts"),
+    (2, ["--parallel", "fsdp", "--ep", "0"], "--tp, --pp and --ep must be at least 1"),
+], ids=["ddp", "experts", "ranks", "shard-size", "dense", "zero"])
+def test_an_ep_degree_that_does_not_fit_is_refused_in_one_line(nproc, argv, error, tmp_path):
+    """The layout's options alone (ddp, 0): argparse's error (exit 2, from each rank until issue 61); with the
+    model's experts: the job's one error line (exit 1)."""
+    result = torchrun_in_process(nproc, "gpt/train.py", "--model", "moe-tiny", *argv, "--max_steps", "1",
+                                 cwd=tmp_path, timeout=60)
+    assert "Traceback" not in result.stderr, result.stderr
+    if "ddp" in argv or "0" in argv:
+        assert result.codes == [2] * nproc and f"train.py: error: {error}" in result.stderr, result.stderr
+    else:
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert result.codes == [1] * nproc and len(errors) == 1 and errors[0].startswith(f"error: {error}"), \
+            result.stderr
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("argv", [["--tp", "2"], ["--pp", "2", "--grad_accum", "2"]], ids=["tp", "pp"])
