@@ -199,11 +199,13 @@ class MLP(nn.Module):
 
 def grouped(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """x's rows (tokens, in), in runs of counts[e] rows for expert e, each run times weight[e] (experts, out,
-    in) transposed, as one nn.Linear per expert: one grouped product where torch has one (torch._grouped_mm:
-    CUDA in bf16; the CPU where each row's bytes are a multiple of 16), else a loop over the experts."""
+    in) transposed, as one nn.Linear per expert: one grouped product where torch 2.13 has one (torch._grouped_mm:
+    CUDA in bf16; the CPU in fp32, eager only: under torch.compile its shape check asks bf16), with rows of a
+    multiple of 16 bytes; else a loop over the experts."""
     w = weight.transpose(1, 2)  # (experts, in, out)
-    if (x.is_cuda and x.dtype == torch.bfloat16 or x.device.type == "cpu" and x.dtype == torch.float32) \
-            and all(n * x.element_size() % 16 == 0 for n in w.shape[1:]) and hasattr(torch, "_grouped_mm"):
+    kernel = x.is_cuda and x.dtype == torch.bfloat16 or (x.device.type == "cpu" and x.dtype == torch.float32
+                                                         and not torch.compiler.is_compiling())
+    if kernel and all(n * x.element_size() % 16 == 0 for n in w.shape[1:]) and hasattr(torch, "_grouped_mm"):
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         return torch._grouped_mm(x, w, offs=offsets)
     return torch.cat([rows @ w_e for rows, w_e in zip(x.split(counts), w, strict=True)])

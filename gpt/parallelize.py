@@ -47,6 +47,9 @@ def refused_layout(args: argparse.Namespace) -> str | None:
         return "--tp, --pp and --ep must be at least 1"
     if args.ep > 1 and args.parallel == "ddp":  # the experts' shards need FSDP's groups of what ep leaves
         return f"--ep {args.ep} needs --parallel fsdp or hsdp (ep alone: --parallel fsdp --ep N on N ranks)"
+    if args.ep > 1 and args.activation_checkpoint == "selective":  # torch 2.13, measured
+        return (f"--ep {args.ep} and --activation_checkpoint selective: the experts' own FSDP hooks inside a block "
+                "run in its forward, not in its recomputation, which selective checkpointing refuses: use full")
     if args.pp_schedule and args.pp == 1:
         return "--pp_schedule is for --pp above 1"
     args.pp_schedule = args.pp_schedule or ("1F1B" if args.pp > 1 else None)  # None: no pipeline, in the checkpoint

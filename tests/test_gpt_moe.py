@@ -269,6 +269,18 @@ def test_a_moe_checkpoint_resumes_in_its_layout_bit_for_bit_and_across_ep_degree
     assert all(torch.equal(state[k], v) for k, v in exported["whole"].items())
 
 
+def test_full_activation_checkpointing_under_ep_changes_nothing_bit_for_bit():
+    """fsdp 2 × ep 2, --activation_checkpoint full against none: each block's forward, its all-to-alls included,
+    runs again in the backward, on every rank alike; every record and weight the same."""
+    layout = ("fsdp", 2, 2, 3, "--ep", "2")
+    reference, checkpointed = (split(*layout, *more, model="moe-tiny") for more in ((), ("--activation_checkpoint",
+                                                                                         "full")))
+    timeless = [[{k: v for k, v in r.items() if k not in ("tokens_per_s", "peak_rss_gib")} for r in run[0]]
+                for run in (reference, checkpointed)]
+    assert timeless[0] == timeless[1]
+    assert all(torch.equal(v, checkpointed[1][k]) for k, v in reference[1].items())
+
+
 @pytest.mark.parametrize(("nproc", "argv", "error"), [
     (2, ["--parallel", "ddp", "--ep", "2"], "--ep 2 needs --parallel fsdp or hsdp"),
     (3, ["--parallel", "fsdp", "--ep", "3"], "--ep 3 does not divide the model's 4 experts"),
@@ -276,14 +288,15 @@ def test_a_moe_checkpoint_resumes_in_its_layout_bit_for_bit_and_across_ep_degree
     (4, ["--parallel", "hsdp", "--shard_size", "2", "--ep", "4"], "--ep 4 does not divide the 2 ranks that shard"),
     (2, ["--parallel", "fsdp", "--ep", "2", "--model", "llama-tiny"], "--ep 2: the model has no experts"),
     (2, ["--parallel", "fsdp", "--ep", "0"], "--tp, --pp and --ep must be at least 1"),
-], ids=["ddp", "experts", "ranks", "shard-size", "dense", "zero"])
+    (2, ["--parallel", "fsdp", "--ep", "2", "--activation_checkpoint", "selective"], "--ep 2 and --activation_check"),
+], ids=["ddp", "experts", "ranks", "shard-size", "dense", "zero", "selective"])
 def test_an_ep_degree_that_does_not_fit_is_refused_in_one_line(nproc, argv, error, tmp_path):
     """The layout's options alone (ddp, 0): argparse's error (exit 2, from each rank until issue 61); with the
     model's experts: the job's one error line (exit 1)."""
     result = torchrun_in_process(nproc, "gpt/train.py", "--model", "moe-tiny", *argv, "--max_steps", "1",
                                  cwd=tmp_path, timeout=60)
     assert "Traceback" not in result.stderr, result.stderr
-    if "ddp" in argv or "0" in argv:
+    if "ddp" in argv or "0" in argv or "selective" in argv:
         assert result.codes == [2] * nproc and f"train.py: error: {error}" in result.stderr, result.stderr
     else:
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
