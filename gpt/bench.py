@@ -43,13 +43,13 @@ DEFAULTS = ["--max_steps", "60", "--log_every", "10", "--eval_every", "1000000",
 
 
 def run(world_size: int, train_args: list[str], threads: int, out_dir: str | None = None,
-        after: int = 0) -> list[float]:
+        after: int = 0, script: str = "train.py") -> list[float]:
     """tokens_per_s of each log interval past step `after` but the first (start-up, first steps), of
-    one run in `out_dir` (a fresh folder if None)."""
+    one run in `out_dir` (a fresh folder if None); `script`: train.py, or one that runs its main()."""
     with tempfile.TemporaryDirectory() as scratch:
         out_dir = out_dir or scratch
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                   str(world_size), os.path.join(HERE, "train.py"), *DEFAULTS, *train_args, "--out_dir", out_dir]
+                   str(world_size), os.path.join(HERE, script), *DEFAULTS, *train_args, "--out_dir", out_dir]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         result = subprocess.run(command, env=env, capture_output=True, text=True)
         if result.returncode != 0:  # train.py's own line if it said one, else the end of the traceback
