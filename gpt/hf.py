@@ -177,6 +177,10 @@ def gpt2_or_llama(theirs: dict, kind: str, refuse, get) -> dict:
              "tie_head": get("tie_word_embeddings", bool, False)}
     if kind == "qwen3_moe":  # Qwen3-MoE's router: softmax, top-k, renormalised with norm_topk_prob
         dense = theirs.get("mlp_only_layers") or []
+        coef = theirs.get("router_aux_loss_coef") or 0.0
+        if not isinstance(dense, list) or isinstance(coef, bool) or not isinstance(coef, int | float) or coef < 0:
+            refuse(f"mlp_only_layers {dense!r} and router_aux_loss_coef {coef!r} (a list of blocks, a number "
+                   "0 or more)")
         if get("decoder_sparse_step", int, 1) != 1 or dense != list(range(len(dense))):
             refuse(f"dense blocks other than the first (mlp_only_layers {dense}, decoder_sparse_step "
                    f"{theirs.get('decoder_sparse_step')})")
@@ -184,7 +188,7 @@ def gpt2_or_llama(theirs: dict, kind: str, refuse, get) -> dict:
         found.update(n_expert=get(experts), top_k=get("num_experts_per_tok"),
                      expert_hidden=get("moe_intermediate_size"), norm_topk=get("norm_topk_prob", bool, False),
                      first_dense=len(dense),
-                     aux_loss_coef=float(theirs.get("router_aux_loss_coef") or 0.0))
+                     aux_loss_coef=float(coef))
     return found
 
 
@@ -427,7 +431,7 @@ def export(source: str, dest: str, vocab_size: int | None) -> str:
                  config.qk_norm), ("shared experts", config.n_shared_expert), ("a route_scale", config.route_scale
                  != 1), ("DeepSeek's expert biases", config.bias_rate)) if bad]
         if lacks:
-            raise ValueError(f"{source}: a mixture of experts with {lacks[0]}, which Qwen3MoeForCausalLM lacks")
+            raise ValueError(f"a mixture of experts with {lacks[0]}, which Qwen3MoeForCausalLM lacks")
     ours = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")  # what an export writes
     stale = sorted(name for name in (os.listdir(dest) if os.path.isdir(dest) else []) if name not in ours)
     if stale:  # another model's weights, index, generation settings: transformers would read them with ours

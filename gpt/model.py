@@ -83,6 +83,12 @@ class GPTConfig:
                 raise ValueError(f"top_k {self.top_k}: from 1 to n_expert, {self.n_expert}")
             if self.router not in ("softmax", "sigmoid"):
                 raise ValueError(f"router {self.router!r}: softmax or sigmoid")
+            if not 0 <= self.first_dense < self.n_layer:
+                raise ValueError(f"first_dense {self.first_dense}: from 0 to n_layer - 1, {self.n_layer - 1} (all "
+                                 "dense: n_expert 0)")
+            for name in ("aux_loss_coef", "bias_rate", "capacity_factor"):
+                if not 0 <= getattr(self, name) < math.inf:
+                    raise ValueError(f"{name} {getattr(self, name)!r}: 0 or more, finite")
 
 
 # The shapes that --model names; vocab_size and seq_len come from the data and --seq_len.

@@ -155,6 +155,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                     "ranks / --tp,\n8 GPUs a node when simulated)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel ranks, innermost, as train.py's")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages, outermost, as train.py's")
+    p.add_argument("--ep", type=int, default=1, help=argparse.SUPPRESS)  # refused_layout reads it: no experts here
     p.add_argument("--pp_schedule", choices=pipeline.SCHEDULES, help="as train.py's (default 1F1B)")
     p.add_argument("--activation_checkpoint", choices=["none", "full", "selective"], default="none",
                    help="as train.py's: what a block's recomputed forward sends is counted")

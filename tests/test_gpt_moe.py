@@ -162,7 +162,9 @@ def test_the_auxiliary_loss_is_transformers_load_balancing_loss():
 def test_the_config_refuses_what_it_cannot_route():
     gpt2 = dict(family="gpt2", qk_norm=False, head_dim=None, n_kv_head=None, tie_head=True)
     for options, error in ((dict(top_k=5), "top_k 5: from 1 to n_expert, 4"), (dict(router="relu"), "router 'relu'"),
-                           (gpt2, "family llama")):
+                           (gpt2, "family llama"), (dict(first_dense=2), "first_dense 2: from 0 to n_layer - 1, 1"),
+                           (dict(aux_loss_coef=-1.0), "aux_loss_coef -1.0: 0 or more"),
+                           (dict(capacity_factor=float("inf")), "capacity_factor inf")):
         with pytest.raises(ValueError, match=error):
             GPTConfig(64, 16, **{**CONFIGS["moe-tiny"], **options})
 
@@ -412,3 +414,17 @@ def test_what_qwen3_moe_lacks_is_refused_in_one_line(qwen3_moe, tmp_path):
     (folder / "config.json").write_text(json.dumps({**settings, "mlp_only_layers": [1]}))
     with pytest.raises(ValueError, match=r"a qwen3_moe model with dense blocks other than the first \(mlp_only_layers"):
         hf.shape(str(folder))
+    for odd, error in (({"mlp_only_layers": [0, 1, 2]}, "first_dense 3: from 0 to n_layer - 1, 2"),
+                       ({"mlp_only_layers": 1}, "mlp_only_layers 1 and router_aux_loss_coef"),
+                       ({"router_aux_loss_coef": -1}, "router_aux_loss_coef -1"),
+                       ({"router_aux_loss_coef": "0.01"}, "router_aux_loss_coef '0.01'")):
+        (folder / "config.json").write_text(json.dumps({**settings, **odd}))
+        with pytest.raises(ValueError, match=error):
+            hf.shape(str(folder))
+
+
+def test_simulate_refuses_a_mixture_of_experts_in_one_line_and_still_counts_dense_models():
+    simulate = import_gpt("simulate")
+    with pytest.raises(SystemExit):
+        simulate.parse_args(["--model", "moe-tiny", "--ranks", "2"])
+    assert simulate.parse_args(["--model", "tiny", "--ranks", "2"]).ep == 1  # refused_layout reads it
