@@ -285,7 +285,8 @@ def test_a_llama_or_qwen3_goes_out_and_back_bit_for_bit(layout, trained, llamas,
      "a llama model with rope_type 'yarn' (config.json), which gpt/ lacks"),
     ("qwen3", {"use_sliding_window": True}, [], "a qwen3 model with sliding-window attention (config.json), which "
                                                 "gpt/ lacks"),
-    ("llama", {"model_type": "mistral"}, [], "a 'mistral' model (config.json): gpt/ reads gpt2, llama and qwen3"),
+    ("llama", {"model_type": "mistral"}, [], "a 'mistral' model (config.json): gpt/ reads gpt2, llama, qwen3 and "
+                                             "qwen3_moe"),
     ("llama", {}, ["--model", "llama-mini"], "its n_layer is 2, --model llama-mini's 4"),
     ("qwen3", {}, ["--model", "llama-tiny"], "its head_dim is 32, --model llama-tiny's 16"),
     ("llama", {"vocab_size": 300}, [], "its vocab is 300, and the run's 256 (the data's: --vocab_size, for a folder "
@@ -361,7 +362,7 @@ def test_a_padded_run_starts_with_padding_rows_that_take_no_mass(theirs):
 
 
 @pytest.mark.parametrize(("change", "error"), [
-    ({"model_type": "bert"}, "a 'bert' model (config.json): gpt/ reads gpt2, llama and qwen3"),
+    ({"model_type": "bert"}, "a 'bert' model (config.json): gpt/ reads gpt2, llama, qwen3 and qwen3_moe"),
     ({"n_layer": 3}, "its n_layer is 3, --model tiny's 2"),
     ({"vocab_size": 300}, "64 positions and vocab 300, where the run needs 32 positions or more (--seq_len) and a "
                           "vocab of 256 or less"),
