@@ -270,6 +270,8 @@ class MoE(nn.Module):
             within = torch.arange(flat.numel(), device=x.device) - (counts.cumsum(0) - counts)[flat[order]]
             order, kept = order[within < capacity], counts.clamp(max=capacity)
         out = torch.zeros(flat.numel(), shape[-1], dtype=x.dtype, device=x.device)
+        # kept.tolist(): a host sync per layer (on a GPU, the step waits here): the runs' sizes are the
+        # split's and the grouped product's arguments, and the next all-to-all's under --ep
         out[order] = self.experts(x[order // c.top_k], kept.tolist()).to(x.dtype)
         y = (out.view(-1, c.top_k, shape[-1]) * weights.unsqueeze(-1)).sum(1)  # the choices' weighted sum
         if self.shared is not None:

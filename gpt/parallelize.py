@@ -259,6 +259,7 @@ def ep_forward(experts: nn.Module, group: dist.ProcessGroup, x: torch.Tensor, co
     got = torch.empty_like(sent)
     dist.all_to_all_single(got, sent, group=group)  # got[r * mine + e]: rows rank r sends to my expert e
     got_by_rank = got.view(ep, mine)
+    # a host sync (on a GPU, the step waits for the counts): all_to_all_single takes its split sizes as ints
     splits_out, splits_in = got_by_rank.sum(1).tolist(), sent.view(ep, mine).sum(1).tolist()
     rows = AllToAll.apply(x, splits_out, splits_in, group)
     expert = torch.arange(mine, device=x.device).repeat(ep).repeat_interleave(got)  # each received row's expert
