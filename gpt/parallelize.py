@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import pipeline
-from model import GPT, GPTConfig, grouped
+from model import GPT, GPTConfig, MoE, grouped
 from optimizer import clip, grad_norm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -90,8 +90,12 @@ def check_layout(args: argparse.Namespace, config: GPTConfig, world_size: int) -
         raise ValueError(f"--shard_size {shard_size(args, world_size)} does not divide the {dp} data-parallel ranks")
     if args.pp > 1:
         pipeline.check(args, config)
-    if config.n_expert and (args.tp > 1 or args.pp > 1):  # issue 59: the experts under tp and pp come next
-        raise ValueError("a mixture of experts trains under ddp, fsdp and hsdp so far: no --tp or --pp")
+    if config.n_expert and args.pp > 1:  # issue 59: the experts under pp come next
+        raise ValueError("a mixture of experts trains under ddp, fsdp, hsdp and --tp so far: no --pp")
+    if config.n_expert and config.capacity_factor and args.tp > 1:  # a capacity counts a whole micro-batch's
+        # choices in token order; under tp each rank routes its share of the sequence (tensor_parallel)
+        raise ValueError(f"--tp {args.tp} and a capacity factor: each tp rank routes its share of the sequence, "
+                         "and a capacity is over a micro-batch's tokens in order: no capacity_factor under --tp")
     if args.ep > 1:
         shard = dp if args.parallel == "fsdp" else shard_size(args, world_size)
         if not config.n_expert:
@@ -163,11 +167,12 @@ def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespac
     policy = MixedPrecisionPolicy(param_dtype=None if args.precision == "fp32" else DTYPES[args.precision],
                                   reduce_dtype=torch.float32)
     dp_mesh = mesh[tuple(name for name in mesh.mesh_dim_names if name not in ("pp", "tp"))]
+    experts_mesh = expert_mesh(mesh, args.ep) if args.ep > 1 else None
     for part in parts:
         if "tp" in mesh.mesh_dim_names:
             tensor_parallel(part, mesh["tp"])  # FSDP then shards each tp shard again, over the data-parallel ranks
-        if args.ep > 1:
-            expert_parallel(part, dp_mesh, args.ep, policy)
+        if experts_mesh is not None:
+            expert_parallel(part, experts_mesh, policy)
         # One all-gather per block, freed after its forward and gathered again for its backward; under the
         # schedules that split each backward in two (torch 2.13), the last stage's blocks so sharded lose their
         # weights' gradients (None, measured): one per stage. The last block is kept gathered after its forward
@@ -199,25 +204,37 @@ def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespac
     return model
 
 
-def expert_parallel(model: GPT, dp_mesh: DeviceMesh, ep: int, policy: MixedPrecisionPolicy) -> None:
-    """--ep: each MoE layer's experts split over groups of `ep` neighbouring data-parallel ranks (as torchtitan
-    takes ep from FSDP's ranks), each rank holding n_expert / ep of them (a DTensor sharded by experts on the ep
-    mesh), the tokens sent to them and back by ep_forward; and sharded again by FSDP over what is left (the shard
-    ranks / ep; hsdp: replicated across shard groups as the rest is). Each expert's gradient then sums every
-    ep rank's tokens' before FSDP averages it over the rest: ep_forward divides it by ep, so that it is the mean
-    over all the data-parallel ranks, as the other weights' is. (FSDP's set_gradient_divide_factor would do it,
-    but gloo has no PREMUL_SUM, and with set_force_sum_reduction_for_comms torch 2.13 divides twice where FSDP's
-    group is one rank.)"""
-    names = dp_mesh.mesh_dim_names
-    shape = (*dp_mesh.shape[:-1], dp_mesh.shape[-1] // ep, ep)  # fsdp: (shard / ep, ep); hsdp: (replicate, ...)
-    mesh = init_device_mesh(dp_mesh.device_type, shape, mesh_dim_names=(*names[:-1], "expert_shard", "ep"))
-    for layer in model.moe_layers():
+def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    """The mesh of the experts under --ep: make_mesh()'s with its shard dimension split in two, (expert_shard, ep),
+    ep innermost: groups of `ep` neighbouring shard ranks (as torchtitan takes ep from FSDP's ranks), at each pp
+    stage, hsdp replica and tp rank alike."""
+    names, at = mesh.mesh_dim_names, mesh.mesh_dim_names.index("shard")
+    shape = (*mesh.shape[:at], mesh.shape[at] // ep, ep, *mesh.shape[at + 1:])
+    return DeviceMesh(mesh.device_type, mesh.mesh.reshape(shape),
+                      mesh_dim_names=(*names[:at], "expert_shard", "ep", *names[at + 1:]))
+
+
+def expert_parallel(model: GPT | pipeline.Stage, mesh: DeviceMesh, policy: MixedPrecisionPolicy) -> None:
+    """--ep: each MoE layer's experts split over the `ep` ranks of expert_mesh(), each rank holding n_expert / ep
+    of them (a DTensor sharded by experts on the ep mesh), the tokens sent to them and back by ep_forward; and
+    sharded again by FSDP over what is left (expert_shard; hsdp: replicated across shard groups as the rest is).
+    Each expert's gradient then sums every ep rank's tokens' before FSDP averages it over the rest: ep_forward
+    divides it by ep, so that it is the mean over all the data-parallel ranks, as the other weights' is. (FSDP's
+    set_gradient_divide_factor would do it, but gloo has no PREMUL_SUM, and with set_force_sum_reduction_for_comms
+    torch 2.13 divides twice where FSDP's group is one rank.)"""
+    for layer in moe_layers(model):
         experts = layer.experts
         for name, param in list(experts.named_parameters(recurse=False)):
             experts.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh["ep"], [Shard(0)],
                                                                             src_data_rank=None)))
         experts.forward = functools.partial(ep_forward, experts, mesh["ep"].get_group())
-        fully_shard(experts, mesh=mesh[(*names[:-1], "expert_shard")], mp_policy=policy)
+        fully_shard(experts, mesh=mesh[tuple(n for n in mesh.mesh_dim_names if n in ("replicate", "expert_shard"))],
+                    mp_policy=policy)
+
+
+def moe_layers(part: nn.Module) -> list[MoE]:
+    """The MoE layers of a GPT or of a pipeline.Stage."""
+    return [block.mlp for block in blocks(part) if isinstance(block.mlp, MoE)]
 
 
 class AllToAll(torch.autograd.Function):
@@ -286,7 +303,9 @@ def moe_step(model: nn.Module) -> None:
     if not isinstance(gpt, GPT) or gpt.routing is None:
         return
     routing, gpt.routing = gpt.routing, None
-    dist.all_reduce(routing)  # no tp or pp with experts yet (check_layout): every rank is a data rank
+    # over every rank: under --tp each tp rank holds its micro-batches' sums alike (tp_moe_forward), so each is
+    # counted tp times, and what is read of them is a ratio or a sign (no pp with experts yet: check_layout)
+    dist.all_reduce(routing)
     layers, c = gpt.moe_layers(), gpt.config
     if c.bias_rate:
         with torch.no_grad():
@@ -366,8 +385,15 @@ def tensor_parallel(model: GPT | pipeline.Stage, mesh: DeviceMesh) -> None:
         plan["mlp.gate"] = tp.ColwiseParallel()
     if model.config.qk_norm:  # each (batch, seq, heads, head_dim) input holds this rank's heads: dimension 2 split
         plan["attn.q_norm"] = plan["attn.k_norm"] = tp.SequenceParallel(sequence_dim=2, use_local_output=True)
+    own = tp.PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Shard(1), use_local_output=True)
+    dense = {name: style for name, style in plan.items() if not name.startswith("mlp")}
     for block in blocks(model):
-        tp.parallelize_module(block, mesh, plan)
+        if isinstance(block.mlp, MoE):  # on this rank's share of the sequence, as it is: tp_moe_forward
+            tp.parallelize_module(block, mesh, {**dense, "mlp": own})
+            block.mlp.forward = functools.partial(tp_moe_forward, block.mlp, mesh.get_group())
+        else:
+            tp.parallelize_module(block, mesh, plan)
+    model.tp_group = mesh.get_group() if moe_layers(model) else None  # for tp_moe_gradients
     tp.parallelize_module(model, mesh, {name: style for name, style in {
         "wte": tp.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),  # (batch, seq / tp, n_embd)
         "wpe": tp.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),  # (seq / tp, n_embd)
@@ -385,6 +411,49 @@ def tensor_parallel(model: GPT | pipeline.Stage, mesh: DeviceMesh) -> None:
         return losses.to_local().clone()  # not a view, which FSDP warns of (as GPT.head_loss says)
 
     model.head_loss = local_losses
+
+
+class SumOver(torch.autograd.Function):
+    """x summed over `group`'s ranks; the gradient passed back as it is (Megatron's reduce from the tensor-parallel
+    region): every rank of the group computes the same loss from the sum, so each holds the whole gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def tp_moe_forward(layer: MoE, group: dist.ProcessGroup, x: torch.Tensor) -> torch.Tensor:
+    """MoE.forward under --tp, on the rank's share of the sequence (sequence parallel, as the norms run), local:
+    a token's routing and experts are its own, so each tp rank routes its tokens through the router, the experts
+    and the shared experts held whole on every tp rank (as torchtitan's experts split the tokens over tp, its
+    ReordererSequenceParallel), a tp-th of the FLOPs each; their gradients are summed over tp by
+    tp_moe_gradients. The routing's sums are the micro-batch's, over tp, for the auxiliary loss (each micro-batch
+    counted once), which every tp rank then computes alike."""
+    y = MoE.forward(layer, x)
+    counts, probs, dropped = layer.routed  # fresh tensors, summed in place
+    dist.all_reduce(counts, group=group)
+    dist.all_reduce(dropped, group=group)
+    layer.routed = (counts, SumOver.apply(probs, group), dropped)
+    return y
+
+
+@torch.no_grad()
+def tp_moe_gradients(model: nn.Module) -> None:
+    """Under --tp, the MoE layers' gradients summed over the tp ranks (each rank's are its tokens': tp_moe_forward),
+    once a step, on the shards FSDP reduced (a sum over tp commutes with FSDP's mean over the data ranks), one
+    all-reduce per parameter: a tp group's ranks hold the same shards. Nothing otherwise."""
+    for part in getattr(model, "parts", [model]):
+        group = getattr(part, "tp_group", None)
+        for layer in moe_layers(part) if group is not None else []:
+            for param in layer.parameters():
+                if param.grad is not None:
+                    dist.all_reduce(param.grad.to_local(), group=group)
 
 
 def data_rank(mesh: DeviceMesh | None, rank: int, world_size: int) -> tuple[int, int]:

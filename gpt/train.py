@@ -332,6 +332,7 @@ def train_step(model: torch.nn.Module | pipeline.Pipeline, optimizer: torch.opti
             scaler.scale(loss).backward()
         loss_sum += loss.detach()
     scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
+    parallelize.tp_moe_gradients(model)  # --tp: the experts' gradients, each tp rank's tokens', summed
     pipe = model if isinstance(model, pipeline.Pipeline) else None
     grad_norm = (pipe or parallelize).clip_gradients(*([] if pipe else [model]), args.grad_clip)
     scaler.step(optimizer)

@@ -1,7 +1,9 @@
-"""gpt/train.py with moe-tiny's GPTConfig changed by MOE_OPTIONS (JSON: fields and values) and, with MOE_BIAS (JSON:
-one number per expert), every MoE layer's expert biases starting there, not at 0: a router so skewed that every
-token takes the same experts and the others none. With MOE_NO_REDUCE set, moe_step sums no rank's routing but its
-own (the test that shows the MoE proof can fail). For tests/test_gpt_moe.py; main() is gpt/train.py's."""
+"""gpt/train.py with moe-tiny's GPTConfig changed by MOE_OPTIONS (JSON: fields and values) and, with MOE_BIAS (JSON: one
+number per expert), every MoE layer's expert biases starting there, not at 0: a router so skewed that every token
+takes the same experts and the others none. With MOE_NO_REDUCE set, moe_step sums no rank's routing but its own (the
+test that shows the MoE proof can fail); with MOE_NO_TP_SUM, the experts' gradients not summed over the tp ranks;
+with MOE_NO_TP_ROUTING, each tp rank's routing its own, not summed for the auxiliary loss. For tests/test_gpt_moe.py;
+main() is gpt/train.py's."""
 import json
 import os
 import sys
@@ -36,6 +38,14 @@ def unreduced(model: torch.nn.Module) -> None:
         train.parallelize.dist.all_reduce = all_reduce
 
 
+def local_routing(layer, group, x):
+    return model.MoE.forward(layer, x)
+
+
+if "MOE_NO_TP_SUM" in os.environ:
+    train.parallelize.tp_moe_gradients = lambda model: None
+if "MOE_NO_TP_ROUTING" in os.environ:
+    train.parallelize.tp_moe_forward = local_routing
 if "MOE_BIAS" in os.environ:
     train.parallelize.zero_buffers = skewed
 if "MOE_NO_REDUCE" in os.environ:
