@@ -281,6 +281,15 @@ class MoE(nn.Module):
         return y.view(shape)
 
 
+def balancing_loss(config: GPTConfig, counts: torch.Tensor, probs: torch.Tensor, tokens: int) -> torch.Tensor:
+    """transformers' load_balancing_loss_func (Switch Transformer's) of one forward of `tokens` tokens, from each
+    expert's choices and probabilities summed over the MoE layers: n_expert times the sum over experts of (their
+    share of the choices) × (their mean probability), both averaged over the layers and the tokens: top_k when the
+    choices and the probabilities are even, more the less they are."""
+    rows = (config.n_layer - config.first_dense) * tokens
+    return config.n_expert * (counts / rows * (probs / rows)).sum()
+
+
 class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer: int = 0) -> None:
         super().__init__()
@@ -335,14 +344,9 @@ class GPT(nn.Module):
         return [block.mlp for block in self.blocks if isinstance(block.mlp, MoE)]
 
     def aux_loss(self, tokens: int) -> torch.Tensor:
-        """transformers' load_balancing_loss_func (Switch Transformer's) over this forward's MoE layers: n_expert
-        times the sum over experts of (their share of the choices) × (their mean probability), both averaged
-        over the layers and the `tokens`: top_k when the choices and the probabilities are even, more the less
-        they are."""
+        """balancing_loss over this forward's MoE layers."""
         routed = [layer.routed for layer in self.moe_layers()]
-        rows = len(routed) * tokens
-        counts, probs = sum(r[0] for r in routed), sum(r[1] for r in routed)
-        return self.config.n_expert * (counts / rows * (probs / rows)).sum()
+        return balancing_loss(self.config, sum(r[0] for r in routed), sum(r[1] for r in routed), tokens)
 
     @torch.no_grad()
     def tally(self, aux: torch.Tensor) -> None:

@@ -90,8 +90,6 @@ def check_layout(args: argparse.Namespace, config: GPTConfig, world_size: int) -
         raise ValueError(f"--shard_size {shard_size(args, world_size)} does not divide the {dp} data-parallel ranks")
     if args.pp > 1:
         pipeline.check(args, config)
-    if config.n_expert and args.pp > 1:  # issue 59: the experts under pp come next
-        raise ValueError("a mixture of experts trains under ddp, fsdp, hsdp and --tp so far: no --pp")
     if config.n_expert and config.capacity_factor and args.tp > 1:  # a capacity counts a whole micro-batch's
         # choices in token order; under tp each rank routes its share of the sequence (tensor_parallel)
         raise ValueError(f"--tp {args.tp} and a capacity factor: each tp rank routes its share of the sequence, "
@@ -295,34 +293,38 @@ def zero_buffers(model: nn.Module) -> None:
             buffer.zero_()
 
 
-def moe_step(model: nn.Module) -> None:
-    """After each optimizer step: every data rank's routing of the step (GPT.tally) summed, DeepSeek-V3's
-    expert biases moved by bias_rate toward the under-loaded experts (the sign of each layer's mean count less
-    the expert's, as torchtitan moves them), the same on every rank, and the sums kept for moe_metrics()."""
-    gpt = getattr(model, "module", model)  # DDP's
-    if not isinstance(gpt, GPT) or gpt.routing is None:
+def moe_step(model: nn.Module | pipeline.Pipeline) -> None:
+    """After each optimizer step: every data rank's routing of the step (GPT.tally, Pipeline.tally) summed,
+    DeepSeek-V3's expert biases moved by bias_rate toward the under-loaded experts (the sign of each layer's mean
+    count less the expert's, as torchtitan moves them), the same on every rank, and the sums kept for
+    moe_metrics()."""
+    owner = getattr(model, "module", model)  # DDP's
+    if getattr(owner, "routing", None) is None:  # a dense model
         return
-    routing, gpt.routing = gpt.routing, None
+    routing, owner.routing = owner.routing, None
     # over every rank: under --tp each tp rank holds its micro-batches' sums alike (tp_moe_forward), so each is
-    # counted tp times, and what is read of them is a ratio or a sign (no pp with experts yet: check_layout)
+    # counted tp times; under --pp a layer's counts are its stage's ranks' (the others hold 0 there), the
+    # auxiliary loss the last stage's; what is read of them is a ratio or a sign
     dist.all_reduce(routing)
-    layers, c = gpt.moe_layers(), gpt.config
+    c, layers = owner.config, owner.moe_layers()
+    counts = routing[:(c.n_layer - c.first_dense) * c.n_expert].view(-1, c.n_expert)
     if c.bias_rate:
         with torch.no_grad():
-            for layer, counts in zip(layers, routing[:len(layers) * c.n_expert].view(len(layers), -1), strict=True):
-                layer.expert_bias += c.bias_rate * torch.sign(counts.mean() - counts)
-    gpt.interval = routing if gpt.interval is None else gpt.interval + routing
+            for i, layer in layers.items() if isinstance(layers, dict) else enumerate(layers):  # a pipeline's: some
+                layer.expert_bias += c.bias_rate * torch.sign(counts[i].mean() - counts[i])
+    owner.interval = routing if owner.interval is None else owner.interval + routing
 
 
-def moe_metrics(model: nn.Module, record: dict, line: str) -> tuple[dict, str]:
+def moe_metrics(model: nn.Module | pipeline.Pipeline, record: dict, line: str) -> tuple[dict, str]:
     """The log's record and line with the experts' figures since the last call: the auxiliary loss (the mean of
     the forwards'), the load (over the layers, the most the busiest expert took over the mean: 1 is even), and
     with a capacity factor the share of choices dropped. A dense model's as they were."""
-    gpt = getattr(model, "module", model)
-    routing = gpt.interval if isinstance(gpt, GPT) else None
+    owner = getattr(model, "module", model)
+    routing = getattr(owner, "interval", None)
     if routing is None:
         return record, line
-    gpt.interval, c, n = None, gpt.config, len(gpt.moe_layers())
+    owner.interval, c = None, owner.config
+    n = c.n_layer - c.first_dense
     counts = routing[:n * c.n_expert].view(n, -1)
     moe = {"aux_loss": (routing[-2] / routing[-1]).item(),
            "expert_load": (counts.max(-1).values / counts.mean(-1)).max().item()}

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from model import GPT, GPTConfig, rotary
+from model import GPT, GPTConfig, MoE, balancing_loss, rotary
 from optimizer import clip, grad_norm
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -94,12 +94,19 @@ class Stage(nn.Module):
         if first:
             self.wte, self.wpe = model.wte, model.wpe
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
+        # the MoE layers, by their place among the model's (blocks first_dense on): the routing's rows
+        self.moe = {i - model.config.first_dense: model.blocks[i].mlp for i in blocks
+                    if isinstance(model.blocks[i].mlp, MoE)}
         if last:
             self.ln_f = model.ln_f
             self.lm_head = model.lm_head if not model.config.tie_head else nn.Linear(
                 model.config.n_embd, model.config.vocab_size, bias=False, device="meta")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # token ids (batch, seq), or the previous stage's output
+    def forward(self, x: torch.Tensor, routing: torch.Tensor | None = None) -> torch.Tensor | tuple:
+        """x: token ids (batch, seq), or the previous stage's output; the logits, or the activations to send. A
+        mixture of experts in training sends `routing` along, (2, n_expert): the choices and the probabilities of
+        the micro-batch's tokens for each expert, summed over the MoE layers so far, for the auxiliary loss the
+        last stage adds (Pipeline.loss: it couples every layer's), its gradient sent back with x's."""
         # every token's position, the whole sequence's (under tp, a stage's input holds 1/tp of it)
         positions = torch.arange(self.config.seq_len, device=x.device)
         if self.first:
@@ -107,7 +114,14 @@ class Stage(nn.Module):
         rope = rotary(self.config, positions) if self.config.family == "llama" else None  # as GPT.embed
         for block in self.blocks.values():
             x = block(x, rope=rope)
-        return self.lm_head(self.ln_f(x)) if self.last else x  # the logits, or the activations to send
+        out = self.lm_head(self.ln_f(x)) if self.last else x
+        if not (self.config.n_expert and self.training):
+            return out
+        if routing is None:  # the first stage's, whose blocks may all be dense
+            routing = torch.zeros(2, self.config.n_expert, device=x.device)
+        for layer in self.moe.values():
+            routing = routing + torch.stack(layer.routed[:2])
+        return out, routing
 
 
 def stages(model: GPT, mesh: DeviceMesh, args: argparse.Namespace) -> tuple[list[Stage], list[int]]:
@@ -176,8 +190,12 @@ class Pipeline:
         for stage in self.stages:
             self.timed(stage)
         schedule = schedule_class(args.pp_schedule)
+        self.config, self.tokens = parts[0].config, args.batch_size * args.seq_len  # a micro-batch's
+        # a mixture of experts: this rank's stages' routing since the last optimizer step, and since the last log
+        # line, as GPT.tally's (the model's layers that other ranks hold at 0), for parallelize.moe_step
+        self.routing = self.interval = None
         self.schedule = schedule(self.stages[0] if len(ids) == 1 else self.stages, n_microbatches=args.grad_accum,
-                                 loss_fn=loss)  # scale_grads=True: the gradients of the micro-batches' mean
+                                 loss_fn=self.loss)  # scale_grads=True: the gradients of the micro-batches' mean
         self.first, self.last = 0 in ids, count - 1 in ids
         # The tied matrix: wte.weight on the first stage, lm_head.weight on the last. Its gradients are added
         # between the two ranks that hold them (the same rank in a V), the other dimensions' coordinates alike.
@@ -194,6 +212,37 @@ class Pipeline:
                 if dist.get_rank() in ranks[:, column][list(holders)].tolist():
                     self.tie_group = pair
         self.pp_group = group
+
+    def loss(self, output: torch.Tensor | tuple, targets: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss: loss()'s, plus with experts aux_loss_coef times the auxiliary loss of the
+        micro-batch's routing summed over every stage (Stage.forward), as GPT.forward adds it in one process."""
+        if not isinstance(output, tuple):
+            return loss(output, targets)
+        logits, routing = output
+        ce = loss(logits, targets)
+        aux = self.config.aux_loss_coef * balancing_loss(self.config, routing[0].detach(), routing[1], targets.numel())
+        return ce + (DTensor.from_local(aux, ce.device_mesh, ce.placements) if isinstance(ce, DTensor) else aux)
+
+    def moe_layers(self) -> dict[int, MoE]:
+        """This rank's MoE layers, by their place among the model's."""
+        return {i: layer for part in self.parts for i, layer in part.moe.items()}
+
+    def tally(self, index: int, output: torch.Tensor | tuple) -> None:
+        """After stage `index`'s forward of a micro-batch in training: its layers' choices and drops added to
+        self.routing at their places (GPT.tally's layout), and on the last stage the auxiliary loss and 1."""
+        c = self.config
+        if not (c.n_expert and isinstance(output, tuple)):
+            return
+        n = c.n_layer - c.first_dense
+        if self.routing is None:
+            self.routing = torch.zeros(n * c.n_expert + n + 2, device=output[1].device)
+        with torch.no_grad():
+            for i, layer in self.by_stage[index].moe.items():
+                self.routing[i * c.n_expert:(i + 1) * c.n_expert] += layer.routed[0]
+                self.routing[n * c.n_expert + i] += layer.routed[2]
+            if index == self.count - 1:
+                self.routing[-2] += balancing_loss(c, output[1][0], output[1][1], self.tokens)
+                self.routing[-1] += 1
 
     def parameters(self):
         return (param for part in self.parts for param in part.parameters())
@@ -233,6 +282,8 @@ class Pipeline:
                 start = time.perf_counter()
                 out = method(*args, **kwargs)
                 end = time.perf_counter()
+                if kind == "F":
+                    self.tally(index, out)
                 done = "I" if kind == "B" and not kwargs.get("full_backward", True) else kind
                 micro = args[0] if args else next(iter(kwargs.values()))  # torch's schedules: the chunk id first
                 self.held[index] += {"F": 1, "B": -1, "I": 0, "W": -1}[done]

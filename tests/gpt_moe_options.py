@@ -2,8 +2,8 @@
 number per expert), every MoE layer's expert biases starting there, not at 0: a router so skewed that every token
 takes the same experts and the others none. With MOE_NO_REDUCE set, moe_step sums no rank's routing but its own (the
 test that shows the MoE proof can fail); with MOE_NO_TP_SUM, the experts' gradients not summed over the tp ranks;
-with MOE_NO_TP_ROUTING, each tp rank's routing its own, not summed for the auxiliary loss. For tests/test_gpt_moe.py;
-main() is gpt/train.py's."""
+with MOE_NO_TP_ROUTING, each tp rank's routing its own, not summed for the auxiliary loss; with MOE_NO_PP_ROUTING,
+each pipeline stage's routing its own, not sent on. For tests/test_gpt_moe.py; main() is gpt/train.py's."""
 import json
 import os
 import sys
@@ -46,6 +46,9 @@ if "MOE_NO_TP_SUM" in os.environ:
     train.parallelize.tp_moe_gradients = lambda model: None
 if "MOE_NO_TP_ROUTING" in os.environ:
     train.parallelize.tp_moe_forward = local_routing
+if "MOE_NO_PP_ROUTING" in os.environ:
+    stage_forward = train.pipeline.Stage.forward
+    train.pipeline.Stage.forward = lambda self, x, routing=None: stage_forward(self, x)
 if "MOE_BIAS" in os.environ:
     train.parallelize.zero_buffers = skewed
 if "MOE_NO_REDUCE" in os.environ:
