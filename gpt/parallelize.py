@@ -433,8 +433,9 @@ class SumOver(torch.autograd.Function):
 def tp_moe_forward(layer: MoE, group: dist.ProcessGroup, x: torch.Tensor) -> torch.Tensor:
     """MoE.forward under --tp, on the rank's share of the sequence (sequence parallel, as the norms run), local:
     a token's routing and experts are its own, so each tp rank routes its tokens through the router, the experts
-    and the shared experts held whole on every tp rank (as torchtitan's experts split the tokens over tp, its
-    ReordererSequenceParallel), a tp-th of the FLOPs each; their gradients are summed over tp by
+    and the shared experts held whole on every tp rank (torchtitan, whose expert parallel borrows the tp ranks
+    when its experts are not tensor-parallel, splits the tokens over them so too: ReordererSequenceParallel), a
+    tp-th of the FLOPs each; their gradients are summed over tp by
     tp_moe_gradients. The routing's sums are the micro-batch's, over tp, for the auxiliary loss (each micro-batch
     counted once), which every tp rank then computes alike."""
     y = MoE.forward(layer, x)

@@ -326,8 +326,7 @@ def train_step(model: torch.nn.Module | pipeline.Pipeline, optimizer: torch.opti
         rows = slice(micro * args.batch_size, (micro + 1) * args.batch_size)
         with parallelize.loss_context(mesh):  # tp: the forward's and the backward's cross-entropy
             with parallelize.gradient_sync(model, micro == args.grad_accum - 1), autocast:
-                # each token's loss (batch × seq), in fp32; / grad_accum: the gradient of the mean over the
-                # micro-steps (the ranks' mean is DDP's or FSDP's)
+                # each token's loss (batch × seq), fp32; / grad_accum: the micro-steps' mean (the ranks': DDP, FSDP)
                 loss = model(x[rows], y[rows]).mean() / args.grad_accum
             scaler.scale(loss).backward()
         loss_sum += loss.detach()

@@ -54,3 +54,5 @@ if "MOE_BIAS" in os.environ:
 if "MOE_NO_REDUCE" in os.environ:
     train.parallelize.moe_step = unreduced
 main = train.main
+if __name__ == "__main__":  # run by hand under torchrun, as gpt/train.py is (the tests' harness calls main())
+    main()
