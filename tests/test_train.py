@@ -224,7 +224,7 @@ def test_no_gloo_thread_outlives_destroy_process_group():
     the threads it had before the group (within 5 s: one that is ending may still be listed under load)."""
     code = textwrap.dedent("""
         import faulthandler, os
-        faulthandler.dump_traceback_later(45, exit=True)  # a hang (seen twice in many runs) says where
+        faulthandler.dump_traceback_later(45, exit=True)  # a hang says where
         import singlenode_cpu
         import torch, torch.distributed as dist
         def threads(): return len(os.listdir("/proc/self/task"))
@@ -235,8 +235,10 @@ def test_no_gloo_thread_outlives_destroy_process_group():
         model(torch.ones(2, 4)).sum().backward()
         optimizer.step()
         during = threads()
+        del model, optimizer  # first: deleted after destroy_process_group, DDP's reducer drops the group's
+        # last reference holding the GIL (pybind's Reducer binding keeps it; the group's own lets go), and the
+        # group's destructor waits for gloo's threads, one of which may wait for the GIL: a hang, seen 3 times
         dist.destroy_process_group()
-        del model, optimizer
         import time  # a thread that is ending may still be listed for a moment on a loaded machine
         deadline = time.monotonic() + 5
         while threads() > before and time.monotonic() < deadline:
