@@ -1,5 +1,6 @@
-"""Hugging Face's formats in and out of gpt/: a folder that transformers' GPT2LMHeadModel, LlamaForCausalLM or
-Qwen3ForCausalLM loads with from_pretrained (out), and train.py --init_from's reading of one (in).
+"""Hugging Face's formats in and out of gpt/: a folder that transformers' GPT2LMHeadModel, LlamaForCausalLM,
+Qwen3ForCausalLM or (a mixture of experts) Qwen3MoeForCausalLM loads with from_pretrained (out), and train.py
+--init_from's reading of one (in).
 
     python gpt/hf.py export model.pt hf/              # a train.py --export file
     python gpt/hf.py export out/step_00005000 hf/     # a checkpoint folder, of any layout (read in one process)

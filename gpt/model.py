@@ -206,11 +206,11 @@ class MLP(nn.Module):
 def grouped(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """x's rows (tokens, in), in runs of counts[e] rows for expert e, each run times weight[e] (experts, out,
     in) transposed, as one nn.Linear per expert: one grouped product where torch 2.13 has one (torch._grouped_mm:
-    CUDA in bf16; the CPU in fp32, eager only: under torch.compile its shape check asks bf16), with rows of a
-    multiple of 16 bytes; else a loop over the experts."""
+    CUDA in bf16; the CPU in fp32 on plain tensors, eager only: under torch.compile, and on gpt/simulate.py's
+    fake tensors, its shape check asks bf16), with rows of a multiple of 16 bytes; else a loop over the experts."""
     w = weight.transpose(1, 2)  # (experts, in, out)
-    kernel = x.is_cuda and x.dtype == torch.bfloat16 or (x.device.type == "cpu" and x.dtype == torch.float32
-                                                         and not torch.compiler.is_compiling())
+    eager = type(x) is torch.Tensor and not torch.compiler.is_compiling()
+    kernel = x.is_cuda and x.dtype == torch.bfloat16 or (eager and x.device.type == "cpu" and x.dtype == torch.float32)
     if kernel and all(n * x.element_size() % 16 == 0 for n in w.shape[1:]) and hasattr(torch, "_grouped_mm"):
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         return torch._grouped_mm(x, w, offs=offsets)
@@ -247,6 +247,9 @@ class MoE(nn.Module):
         # outside autograd, saved in checkpoints (a persistent buffer), moved by gpt/parallelize.py's moe_step
         self.register_buffer("expert_bias", torch.zeros(config.n_expert) if config.bias_rate else None)
         self.routed = None
+        # gpt/simulate.py's: choice i to expert i mod n_expert, each expert's count known from shapes alone (its
+        # simulated tensors hold none), every rank's the same: the even load that balancing aims for
+        self.even = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c, shape = self.config, x.shape
@@ -255,12 +258,16 @@ class MoE(nn.Module):
         scores = logits.softmax(-1) if c.router == "softmax" else logits.sigmoid()
         choice = scores if self.expert_bias is None else scores + self.expert_bias
         chosen = choice.topk(c.top_k, dim=-1).indices  # (tokens, top_k)
+        sizes = None  # each expert's count of choices, on the host: known from the shapes when even
+        if self.even:
+            chosen = torch.arange(chosen.numel(), device=x.device).remainder(c.n_expert).view(chosen.shape)
+            sizes = [len(range(e, chosen.numel(), c.n_expert)) for e in range(c.n_expert)]
         weights = scores.gather(1, chosen)
         if c.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
         weights = (weights * c.route_scale).to(x.dtype)
         flat = chosen.flatten()  # choice i is token i // top_k's
-        counts = torch.bincount(flat, minlength=c.n_expert)
+        counts = torch.bincount(flat, minlength=c.n_expert) if sizes is None else torch.tensor(sizes, device=x.device)
         order = flat.argsort(stable=True)  # the choices by expert, each expert's in token order
         kept = counts
         if c.capacity_factor and self.training:  # each expert's first `capacity` choices in token order, the rest
@@ -272,7 +279,7 @@ class MoE(nn.Module):
         out = torch.zeros(flat.numel(), shape[-1], dtype=x.dtype, device=x.device)
         # kept.tolist(): a host sync per layer (on a GPU, the step waits here): the runs' sizes are the
         # split's and the grouped product's arguments, and the next all-to-all's under --ep
-        out[order] = self.experts(x[order // c.top_k], kept.tolist()).to(x.dtype)
+        out[order] = self.experts(x[order // c.top_k], kept.tolist() if sizes is None else sizes).to(x.dtype)
         y = (out.view(-1, c.top_k, shape[-1]) * weights.unsqueeze(-1)).sum(1)  # the choices' weighted sum
         if self.shared is not None:
             y = y + self.shared(x)

@@ -225,7 +225,7 @@ def expert_parallel(model: GPT | pipeline.Stage, mesh: DeviceMesh, policy: Mixed
         for name, param in list(experts.named_parameters(recurse=False)):
             experts.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh["ep"], [Shard(0)],
                                                                             src_data_rank=None)))
-        experts.forward = functools.partial(ep_forward, experts, mesh["ep"].get_group())
+        experts.forward = functools.partial(ep_forward, layer, mesh["ep"].get_group())
         fully_shard(experts, mesh=mesh[tuple(n for n in mesh.mesh_dim_names if n in ("replicate", "expert_shard"))],
                     mp_policy=policy)
 
@@ -264,23 +264,27 @@ class ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def ep_forward(experts: nn.Module, group: dist.ProcessGroup, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Experts.forward under --ep: x's rows sorted by expert (counts[e] for each of all n_expert experts) sent to
-    the ranks that hold their experts (counts first, with all_to_all_single, then the rows), each rank's own
+def ep_forward(layer: MoE, group: dist.ProcessGroup, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The layer's Experts.forward under --ep: x's rows sorted by expert (counts[e] for each of all n_expert experts)
+    sent to the ranks that hold their experts (counts first, with all_to_all_single, then the rows), each rank's own
     experts run on what it received (from every rank of the group, sorted by its experts), and the results sent
     back the same way, in x's order. Nothing is of a fixed size: a rank that every token chooses gets them all."""
+    experts = layer.experts
     ep, mine = group.size(), experts.gate.to_local().shape[0]  # this rank's experts: n_expert / ep
     sent = torch.tensor(counts, device=x.device)
     got = torch.empty_like(sent)
     dist.all_to_all_single(got, sent, group=group)  # got[r * mine + e]: rows rank r sends to my expert e
-    got_by_rank = got.view(ep, mine)
-    # a host sync (on a GPU, the step waits for the counts): all_to_all_single takes its split sizes as ints
-    splits_out, splits_in = got_by_rank.sum(1).tolist(), sent.view(ep, mine).sum(1).tolist()
+    # a host sync (on a GPU, the step waits for the counts): all_to_all_single takes its split sizes as ints.
+    # MoE.even (gpt/simulate.py): every rank sent `counts`, so what this one got is known without its values.
+    me = dist.get_rank(group)
+    received = counts[me * mine:(me + 1) * mine] * ep if layer.even else got.tolist()
+    splits_out = [sum(received[r * mine:(r + 1) * mine]) for r in range(ep)]
+    splits_in = [sum(counts[r * mine:(r + 1) * mine]) for r in range(ep)]
     rows = AllToAll.apply(x, splits_out, splits_in, group)
-    expert = torch.arange(mine, device=x.device).repeat(ep).repeat_interleave(got)  # each received row's expert
+    expert = torch.arange(mine, device=x.device).repeat(ep).repeat_interleave(got, output_size=sum(received))
     order = expert.argsort(stable=True)  # by expert, each expert's rows by sending rank, each rank's in its order
     w = [ScaleGrad.apply(p.to_local(), 1 / ep) for p in (experts.gate, experts.fc, experts.proj)]
-    local = got_by_rank.sum(0).tolist()
+    local = [sum(received[e::mine]) for e in range(mine)]
     y = grouped(F.silu(grouped(rows[order], w[0], local)) * grouped(rows[order], w[1], local), w[2], local)
     back = torch.empty_like(y).index_copy(0, order, y)  # the received order again: by sending rank
     return AllToAll.apply(back, splits_in, splits_out, group)

@@ -84,11 +84,14 @@ class Collectives(TorchDispatchMode):
         return out
 
 
+def local(t: torch.Tensor) -> int:
+    """Bytes of this rank's shard of t."""
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
+
+
 def held(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes of this rank's parameters, gradients and AdamW moments (its shards of each)."""
-    def local(t: torch.Tensor) -> int:
-        t = t.to_local() if isinstance(t, DTensor) else t
-        return t.numel() * t.element_size()
     params = list(model.parameters())
     moments = [s[k] for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
     return {"parameters": sum(map(local, params)), "gradients": sum(local(p.grad) for p in params),
@@ -102,9 +105,16 @@ def one_step(args: argparse.Namespace, world_size: int, device: torch.device, fa
     mesh = parallelize.make_mesh(args, world_size, device)
     with torch.device("meta"):
         model = GPT(config)
+    flops = model.flops_per_token()
     model = parallelize.parallelize_gpt(model, mesh, args, device, init=not fake)
     optimizer = torch.optim.AdamW(model.parameters())
     counted = Collectives(mesh)
+    layers = [layer for part in getattr(model, "parts", [model]) for layer in parallelize.moe_layers(part)]
+    for layer in layers:  # routed evenly (its counts from shapes, the same real and simulated), and its ep groups
+        layer.even = True
+        experts = layer.experts.gate.device_mesh if isinstance(layer.experts.gate, DTensor) else None
+        for name in experts.mesh_dim_names if experts is not None else []:
+            counted.dims[experts.get_group(name).group_name], counted.sizes[name] = name, experts[name].size()
     if isinstance(model, pipeline.Pipeline) and model.tie_group is not None:  # the tied matrix's pair of ranks
         counted.dims[model.tie_group.group_name] = "tied"
     if isinstance(model, pipeline.Pipeline):
@@ -117,13 +127,17 @@ def one_step(args: argparse.Namespace, world_size: int, device: torch.device, fa
         else:
             with parallelize.loss_context(mesh):
                 model(x, y).mean().backward()
+            parallelize.tp_moe_gradients(model)
             parallelize.clip_gradients(model, 1.0)
         optimizer.step()
+        parallelize.moe_step(model)
         bytes_held = held(model, optimizer)
     sent = {dim: dict(kinds) for dim, kinds in counted.sent.items()}
     wire = {dim: round(sum(total * WIRE[kind]({**counted.sizes, **PAIRS}.get(dim, world_size))  # sent, in a ring
                            for kind, (_, total) in kinds.items())) for dim, kinds in sent.items()}
-    return {"mesh": dict(counted.sizes), "held": bytes_held, "sent": sent, "wire": wire}
+    experts = sum(local(p) for layer in layers for p in layer.experts.parameters())  # among the parameters held
+    return {"mesh": dict(counted.sizes), "held": bytes_held, "sent": sent, "wire": wire, "flops_per_token": flops,
+            "moe_layers": len(layers), "experts": experts}
 
 
 def static_shapes(pipe: pipeline.Pipeline, args: argparse.Namespace, fake: bool) -> None:
@@ -136,9 +150,11 @@ def static_shapes(pipe: pipeline.Pipeline, args: argparse.Namespace, fake: bool)
     shape, dtype, _ = pipe.activation
     activation = torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
     tokens = torch.empty(shape[:1] + (args.seq_len,), dtype=torch.long, device="meta")
+    n_expert = pipe.stages[0].submod.config.n_expert  # a mixture of experts: the routing's sums sent along
+    sent = (activation, torch.empty(2, n_expert, device="meta", requires_grad=True)) if n_expert else (activation,)
     for stage in pipe.stages:  # the last stage's output (the logits) goes to the loss, not to a stage: any shape
-        stage._user_meta = _StageMeta(inputs=extract_tensor_metas((tokens if stage.is_first else activation,)),
-                                      outputs=extract_tensor_metas((activation,)))
+        stage._user_meta = _StageMeta(inputs=extract_tensor_metas((tokens,) if stage.is_first else sent),
+                                      outputs=extract_tensor_metas(sent))
 
     def no_vote(stages: list, has_backward: bool, p2p_done: bool) -> None:
         for stage in stages:
@@ -155,7 +171,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                     "ranks / --tp,\n8 GPUs a node when simulated)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel ranks, innermost, as train.py's")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages, outermost, as train.py's")
-    p.add_argument("--ep", type=int, default=1, help=argparse.SUPPRESS)  # refused_layout reads it: no experts here
+    p.add_argument("--ep", type=int, default=1, help="expert parallel ranks, taken from the data-parallel ones, as "
+                                                      "train.py's")
     p.add_argument("--pp_schedule", choices=pipeline.SCHEDULES, help="as train.py's (default 1F1B)")
     p.add_argument("--activation_checkpoint", choices=["none", "full", "selective"], default="none",
                    help="as train.py's: what a block's recomputed forward sends is counted")
@@ -168,7 +185,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--every_rank", action="store_true", help="simulate each rank in turn, not only rank 0")
     p.add_argument("--json", action="store_true", help="one JSON list of the ranks' figures, for tests")
     args = p.parse_args(argv)
-    for name in ("shard_size", "tp", "pp", "grad_accum", "batch_size", "seq_len", "vocab_size", "ranks"):
+    for name in ("shard_size", "tp", "pp", "ep", "grad_accum", "batch_size", "seq_len", "vocab_size", "ranks"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
     args.compile, args.seed = False, 0  # what parallelize.py reads of train.py's
@@ -182,8 +199,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.grad_accum > 1 and args.pp == 1:  # one forward here, where train.py runs --grad_accum micro-steps
         p.error("--grad_accum is a pipeline's micro-batches: give it with --pp (without, count one step of "
                 "--batch_size)")
-    if SIZES[args.model].get("n_expert"):  # the experts' routing (their token counts) comes from values it lacks
-        p.error(f"--model {args.model}: a mixture of experts, which simulate.py does not count yet")
     if args.ranks and args.parallel == "ddp":  # and DDP's reducer fails on the fake group's results
         p.error("ddp holds the whole model on every rank and all-reduces every gradient once a step (at one rank, "
                 "nothing: the model alone): count it under torchrun")
@@ -198,18 +213,31 @@ def size(n: float) -> str:
 
 
 def report(args: argparse.Namespace, world_size: int, figures: dict, simulated: bool) -> str:
-    mesh = " × ".join(f"{name} {n}" for name, n in figures["mesh"].items())
+    dims = figures["mesh"]
+    mesh = " × ".join(f"{name} {n}" for name, n in dims.items() if name not in ("expert_shard", "ep"))
+    if "ep" in dims:  # the experts' mesh: the shard dimension split in two
+        mesh += f"; the experts': shard {dims['shard']} = expert_shard {dims['expert_shard']} × ep {dims['ep']}"
+    width = max(24, *(len(f"{dim} {kind}") for dim, kinds in figures["sent"].items() for kind in kinds))
+    held = figures["held"]
+    experts = f" (experts {size(figures['experts'])})" if figures["moe_layers"] else ""
     lines = [f"{args.model} | {args.parallel} on {world_size:,} rank{'s' if world_size > 1 else ''} ({mesh}) | "
              f"{args.precision} | "
              f"{args.batch_size} × {args.seq_len} tokens per data-parallel rank"
              f"{f' and micro-batch, {args.grad_accum} of them' if args.grad_accum > 1 else ''} | "
              f"{'simulated' if simulated else 'counted in a real run'}",
-             "held by rank 0: " + " | ".join(f"{k} {size(v)}" for k, v in figures["held"].items()),
-             f"{'sent in one step':<26}{'count':>6}{'whole tensors':>15}{'each rank sends':>17}"]
+             "held by rank 0: " + " | ".join(f"{k} {size(v)}{experts if k == 'parameters' else ''}"
+                                             for k, v in held.items()),
+             f"{'sent in one step':<{width + 2}}{'count':>6}{'whole tensors':>15}{'each rank sends':>17}"]
     for dim, kinds in figures["sent"].items():
         for kind, (count, total) in kinds.items():
-            lines.append(f"  {dim + ' ' + kind:<24}{count:>6}{size(total):>15}"
-                         f"{size(total * WIRE[kind]({**figures['mesh'], **PAIRS}.get(dim, world_size))):>17}")
+            lines.append(f"  {dim + ' ' + kind:<{width}}{count:>6}{size(total):>15}"
+                         f"{size(total * WIRE[kind]({**dims, **PAIRS}.get(dim, world_size))):>17}")
+    layers, routed = figures["moe_layers"], figures["sent"].get("ep", {}).get("all-to-all")
+    if routed:  # its counts, the tokens there and back, and their gradients the other way: 5 a layer
+        lines.append(f"per MoE layer ({layers}, routed evenly): all-to-all {size(routed[1] / layers)} whole tensors, "
+                     f"each rank sends {size(routed[1] / layers * WIRE['all-to-all'](dims['ep']))}")
+        lines.append(f"training FLOPs per token, of the active parameters (top_k of the experts): "
+                     f"{figures['flops_per_token']:,}")
     return "\n".join(lines)
 
 

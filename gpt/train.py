@@ -52,7 +52,7 @@ from stop import StopRequest
 
 # What a checkpoint records of the run that wrote it; a resume with other values says so in one line.
 RUN = ("data", "max_steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "seed", "batch_size",
-       "grad_accum", "parallel", "tp", "pp", "pp_schedule", "precision")
+       "grad_accum", "parallel", "tp", "pp", "pp_schedule", "ep", "precision")
 GC_EVERY = 100  # steps between garbage collections, on every rank at once
 def steps_range(text: str) -> tuple[int, int]:
     """--profile's A:B: the first and last step to trace, 1 <= A <= B."""
@@ -296,8 +296,8 @@ def resume(args: argparse.Namespace, checkpoints: Checkpoints, parts: list[torch
         world_size = dist.get_world_size()
         run = {**{f"--{name}": getattr(args, name) for name in RUN}, "ranks": world_size,
                "global batch": args.batch_size * args.grad_accum * world_size // (args.tp * args.pp)}
-        changed = [f"{name} {value} (was {manifest['run'].get(name)})" for name, value in run.items()
-                   if manifest["run"].get(name) != value]
+        changed = [f"{name} {value} (was {was})" for name, value in run.items() if (was := manifest["run"].get(
+            name, value)) != value and (name != "--pp_schedule" or None not in (was, value))]  # --pp says that
         schedule = [name for name in ("lr", "min_lr", "warmup_steps", "max_steps")
                     if manifest["run"].get(f"--{name}", getattr(args, name)) != getattr(args, name)]
         lr = ""

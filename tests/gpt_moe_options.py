@@ -3,7 +3,10 @@ number per expert), every MoE layer's expert biases starting there, not at 0: a 
 takes the same experts and the others none. With MOE_NO_REDUCE set, moe_step sums no rank's routing but its own (the
 test that shows the MoE proof can fail); with MOE_NO_TP_SUM, the experts' gradients not summed over the tp ranks;
 with MOE_NO_TP_ROUTING, each tp rank's routing its own, not summed for the auxiliary loss; with MOE_NO_PP_ROUTING,
-each pipeline stage's routing its own, not sent on. For tests/test_gpt_moe.py; main() is gpt/train.py's."""
+each pipeline stage's routing its own, not sent on; with MOE_EP_MUTANT=combine, ep_forward's results sent back in
+its experts' order, not in the order received; with MOE_EP_MUTANT=splits, its dispatch's split sizes swapped (what
+each rank sends for what it receives). For tests/test_gpt_moe.py; main() is gpt/train.py's."""
+import inspect
 import json
 import os
 import sys
@@ -49,6 +52,14 @@ if "MOE_NO_TP_ROUTING" in os.environ:
 if "MOE_NO_PP_ROUTING" in os.environ:
     stage_forward = train.pipeline.Stage.forward
     train.pipeline.Stage.forward = lambda self, x, routing=None: stage_forward(self, x)
+EP_MUTANTS = {"combine": ("torch.empty_like(y).index_copy(0, order, y)", "y"),
+              "splits": ("AllToAll.apply(x, splits_out, splits_in, group)",
+                         "AllToAll.apply(x, splits_in, splits_out, group)")}
+if "MOE_EP_MUTANT" in os.environ:  # ep_forward's source, changed in one place, in parallelize.py's namespace
+    source = inspect.getsource(train.parallelize.ep_forward)
+    was, now = EP_MUTANTS[os.environ["MOE_EP_MUTANT"]]
+    assert source.count(was) == 1, f"ep_forward no longer says {was}"
+    exec(source.replace(was, now), train.parallelize.__dict__)
 if "MOE_BIAS" in os.environ:
     train.parallelize.zero_buffers = skewed
 if "MOE_NO_REDUCE" in os.environ:

@@ -265,6 +265,22 @@ def test_the_tp_and_pp_proofs_fail_without_their_sums(mutant):
         assert_same_routing(reference, broken, mutant)
 
 
+def test_the_ep_proof_fails_when_the_combine_is_out_of_order_or_the_splits_swapped():
+    """tests/gpt_moe_options.py at fsdp 2 × ep 2 with ep_forward changed in one place: its results sent back in its
+    experts' order, not the order received (each token gets other tokens' rows): not one process's training; its
+    dispatch's split sizes swapped (each rank sends as many rows to a rank as it receives from it): refused by
+    all_to_all_single, the run stopped."""
+    reference = split("ddp", 1, 2, 6, model="moe-tiny")
+    broken = split("fsdp", 2, 2, 3, "--ep", "2", model="moe-tiny", env=(("MOE_EP_MUTANT", "combine"),))  # it runs
+    with pytest.raises(AssertionError):
+        assert_same_routing(reference, broken, "combine")
+    folder = Path(tempfile.mkdtemp(dir=FOLDERS.name))
+    swapped = torchrun_in_process(2, "tests/gpt_moe_options.py", *ARGV, "--parallel", "fsdp", "--ep", "2",
+                                  "--batch_size", "2", "--grad_accum", "3", "--model", "moe-tiny", "--out_dir", "out",
+                                  cwd=folder, env={"MOE_EP_MUTANT": "splits"}, timeout=120)
+    assert swapped.codes != [0, 0] and "Split sizes doesn't match total dim 0 size" in swapped.stderr
+
+
 def test_a_moe_checkpoint_resumes_in_its_layout_bit_for_bit_and_across_ep_degrees(tmp_path):
     """moe-mini, 8 steps under fsdp 2 × ep 2, a checkpoint at step 4 (the expert biases in it); resumed by the same
     command (every later record and weight the same, bit for bit), at fsdp 4 × ep 4, at pp 2 × ep 2 and by one
@@ -384,8 +400,9 @@ def test_gpt_reads_a_qwen3_moe_and_computes_transformers_logits(qwen3_moe):
 
 
 @pytest.mark.parametrize(("nproc", "layout"), [(1, ("--batch_size", "4", "--grad_accum", "2")),
-                                               (2, ("--parallel", "fsdp", "--batch_size", "2", "--grad_accum", "2"))],
-                         ids=["one process", "fsdp 2"])
+                                               (2, ("--parallel", "fsdp", "--ep", "2", "--batch_size", "2",
+                                                    "--grad_accum", "2"))],
+                         ids=["one process", "fsdp 2 × ep 2"])
 def test_the_first_loss_from_a_qwen3_moe_is_transformers_loss(nproc, layout, qwen3_moe, text_file, tmp_path):  # noqa: F811
     """Step 1's logged loss: transformers' cross-entropy over the 8 windows plus router_aux_loss_coef times the mean,
     over the micro-batches (of the layout's --batch_size), of load_balancing_loss_func of its router logits."""
@@ -449,10 +466,3 @@ def test_what_qwen3_moe_lacks_is_refused_in_one_line(qwen3_moe, tmp_path):
         (folder / "config.json").write_text(json.dumps({**settings, **odd}))
         with pytest.raises(ValueError, match=error):
             hf.shape(str(folder))
-
-
-def test_simulate_refuses_a_mixture_of_experts_in_one_line_and_still_counts_dense_models():
-    simulate = import_gpt("simulate")
-    with pytest.raises(SystemExit):
-        simulate.parse_args(["--model", "moe-tiny", "--ranks", "2"])
-    assert simulate.parse_args(["--model", "tiny", "--ranks", "2"]).ep == 1  # refused_layout reads it

@@ -9,12 +9,13 @@ import math
 import sys
 
 import pytest
+import torch
 from harness import python_in_process, torchrun_in_process
 from launch import REPO
 from test_gpt import import_gpt
 
 sys.path.insert(0, str(REPO))
-from gpt.model import CONFIGS, GPTConfig  # noqa: E402
+from gpt.model import CONFIGS, GPT, GPTConfig  # noqa: E402
 
 SIMULATE = "gpt/simulate.py"
 TINY = ["--model", "tiny", "--vocab_size", "64", "--seq_len", "32", "--batch_size", "2"]
@@ -64,6 +65,7 @@ def test_a_recomputed_forward_is_counted_as_a_real_run_sends_it():
 @pytest.mark.parametrize("argv", [["--pp_schedule", "GPipe"],
                                   ["--parallel", "fsdp", "--pp", "2", "--precision", "fp16"],
                                   ["--parallel", "ddp", "--tp", "2"], ["--parallel", "ddp", "--pp", "2"],
+                                  ["--parallel", "ddp", "--ep", "2"],
                                   ["--parallel", "fsdp", "--shard_size", "2"],
                                   ["--parallel", "fsdp", "--pp", "2", "--pp_schedule", "ZBVZeroBubble",
                                    "--activation_checkpoint", "selective"],
@@ -210,7 +212,8 @@ def test_a_pipeline_at_1024_ranks_is_simulated_and_equals_the_formulas():
 
 @pytest.mark.parametrize(("argv", "error"), [
     (["--ranks", "1024", "--model", "gpt2", "--tp", "8"], "error: --tp 8 does not divide the model's n_head, 12"),
-    (["--ranks", "2", "--parallel", "ddp"], "ddp holds the whole model on every rank")])
+    (["--ranks", "2", "--parallel", "ddp"], "ddp holds the whole model on every rank"),
+    (["--ranks", "6", "--model", "moe-tiny", "--ep", "3"], "error: --ep 3 does not divide the model's 4 experts")])
 def test_a_layout_that_cannot_be_built_is_one_line(argv, error):
     result = python_in_process(SIMULATE, *argv, cwd=REPO, timeout=60)  # a traceback shows there as in a shell
     assert result.codes[0] != 0 and error in result.stderr, result.stderr
@@ -284,3 +287,57 @@ def test_llama_3_1_8b_at_1024_ranks_holds_what_its_shapes_say():
     assert figures["held"]["parameters"] == llama_bytes(config, figures["mesh"])
     assert sum(n for n, _ in llama_shapes(config).values()) == 8_030_261_248  # the hub's count for the model
     assert figures["sent"]["replicate"]["all-reduce"][1] == figures["held"]["parameters"]  # the gradients' shard, fp32
+
+
+MOE = ["--vocab_size", "64", "--seq_len", "32", "--batch_size", "2", "--parallel", "fsdp", "--ep", "2"]
+
+
+def moe_plan(config: GPTConfig, tokens: int, ep: int, expert_shard: int, precision: int = 4) -> tuple[int, list]:
+    """(bytes of a rank's experts' parameters in fp32, [count, bytes] of its all-to-alls in a step), from the
+    shapes: each MoE layer's experts (3 projections, experts × expert_hidden × n_embd) split over ep, then
+    expert_shard; each layer's all-to-alls, routed evenly (`tokens` a rank routes, top_k choices each): the counts
+    (int64, one per expert), the chosen rows out and back, and the two gradients the other way."""
+    layers = config.n_layer - config.first_dense
+    experts = layers * 3 * config.n_expert * config.expert_hidden * config.n_embd * 4 // (ep * expert_shard)
+    rows = tokens * config.top_k * config.n_embd * precision
+    return experts, [5 * layers, layers * (8 * config.n_expert + 4 * rows)]
+
+
+@pytest.mark.parametrize(("model", "layout"), [("moe-mini", ["--tp", "2"]),
+                                              ("moe-tiny", ["--pp", "2", "--grad_accum", "2"])])
+def test_a_mixture_of_experts_is_simulated_as_a_real_run_holds_and_sends_it(model, layout):
+    """ep 2 from fsdp's ranks, with tp 2 (DeepSeek's options: a shared expert, a dense first block, the bias) and
+    with pp 2 (the routing's sums sent on beside the activations), on 4 real ranks and simulated, both routed
+    evenly (simulated tensors hold no values to route by): every rank's figures equal, and its experts' bytes and
+    all-to-alls equal the shapes'."""
+    argv = ["--model", model, *MOE, *layout]
+    real = torchrun_in_process(4, SIMULATE, *argv, "--json", timeout=120)
+    assert real.codes == [0] * 4, real.stderr
+    counted = json.loads(real.stdouts[0])
+    assert counted == simulated(4, *argv, "--every_rank")
+    config = GPTConfig(vocab_size=64, seq_len=32, **CONFIGS[model])
+    tokens = 2 * 32 // (2 if "--tp" in layout else 1)  # under tp, each tp rank routes its share of the sequence
+    layers = config.n_layer - config.first_dense
+    for rank, figures in enumerate(counted):
+        experts, sent = moe_plan(config, tokens, 2, figures["mesh"]["expert_shard"])
+        if "--pp" in layout:  # a stage's layers: half of them, its micro-batches' tokens: 2 of them
+            experts, sent = experts // 2, [sent[0] // 2 * 2, sent[1] // 2 * 2]
+        assert figures["experts"] == experts, rank
+        assert figures["sent"]["ep"]["all-to-all"] == sent, rank
+        assert figures["moe_layers"] == (layers // 2 if "--pp" in layout else layers)
+
+
+def test_qwen3_30b_a3b_at_1024_ranks_holds_and_sends_what_its_shapes_say():
+    """Qwen3-30B-A3B (128 experts, 8 a token) on hsdp 16 × 64 with ep 8, in bf16, 4,096 tokens a rank: each rank
+    holds 16 of each layer's experts, an eighth of them (expert_shard 8); each layer sends 4 × 4,096 × 8 rows of
+    2,048 bf16 values and 128 counts; the FLOPs per token are the active parameters' (test_gpt_moe.py checks them
+    against transformers' count)."""
+    (figures,) = simulated(1024, "--model", "qwen3-30b-a3b", "--vocab_size", "151936", "--seq_len", "4096",
+                           "--parallel", "hsdp", "--shard_size", "64", "--ep", "8", "--precision", "bf16")
+    assert figures["mesh"] == {"replicate": 16, "shard": 64, "expert_shard": 8, "ep": 8}
+    config = GPTConfig(vocab_size=151936, seq_len=4096, **CONFIGS["qwen3-30b-a3b"])
+    experts, sent = moe_plan(config, 4096, 8, 8, precision=2)
+    assert figures["experts"] == experts == 48 * 3 * 128 * 768 * 2048 * 4 // 64
+    assert figures["sent"]["ep"]["all-to-all"] == sent == [5 * 48, 48 * (8 * 128 + 4 * 4096 * 8 * 2048 * 2)]
+    with torch.device("meta"):
+        assert figures["flops_per_token"] == GPT(config).flops_per_token()
