@@ -292,39 +292,38 @@ def test_llama_3_1_8b_at_1024_ranks_holds_what_its_shapes_say():
 MOE = ["--vocab_size", "64", "--seq_len", "32", "--batch_size", "2", "--parallel", "fsdp", "--ep", "2"]
 
 
-def moe_plan(config: GPTConfig, tokens: int, ep: int, expert_shard: int, precision: int = 4) -> tuple[int, list]:
+def moe_plan(config: GPTConfig, layers: int, tokens: int, micro_batches: int, ep: int, expert_shard: int,
+             precision: int = 4) -> tuple[int, list]:
     """(bytes of a rank's experts' parameters in fp32, [count, bytes] of its all-to-alls in a step), from the
-    shapes: each MoE layer's experts (3 projections, experts × expert_hidden × n_embd) split over ep, then
-    expert_shard; each layer's all-to-alls, routed evenly (`tokens` a rank routes, top_k choices each): the counts
-    (int64, one per expert), the chosen rows out and back, and the two gradients the other way."""
-    layers = config.n_layer - config.first_dense
+    shapes: each of its MoE `layers`' experts (3 projections, experts × expert_hidden × n_embd) split over ep, then
+    expert_shard; each layer's all-to-alls in each micro-batch, routed evenly (`tokens` a rank routes, top_k choices
+    each): the counts (int64, one per expert), the chosen rows out and back, and the two gradients the other way."""
     experts = layers * 3 * config.n_expert * config.expert_hidden * config.n_embd * 4 // (ep * expert_shard)
     rows = tokens * config.top_k * config.n_embd * precision
-    return experts, [5 * layers, layers * (8 * config.n_expert + 4 * rows)]
+    return experts, [5 * layers * micro_batches, layers * micro_batches * (8 * config.n_expert + 4 * rows)]
 
 
-@pytest.mark.parametrize(("model", "layout"), [("moe-mini", ["--tp", "2"]),
-                                              ("moe-tiny", ["--pp", "2", "--grad_accum", "2"])])
-def test_a_mixture_of_experts_is_simulated_as_a_real_run_holds_and_sends_it(model, layout):
-    """ep 2 from fsdp's ranks, with tp 2 (DeepSeek's options: a shared expert, a dense first block, the bias) and
-    with pp 2 (the routing's sums sent on beside the activations), on 4 real ranks and simulated, both routed
-    evenly (simulated tensors hold no values to route by): every rank's figures equal, and its experts' bytes and
-    all-to-alls equal the shapes'."""
-    argv = ["--model", model, *MOE, *layout]
-    real = torchrun_in_process(4, SIMULATE, *argv, "--json", timeout=120)
-    assert real.codes == [0] * 4, real.stderr
-    counted = json.loads(real.stdouts[0])
-    assert counted == simulated(4, *argv, "--every_rank")
-    config = GPTConfig(vocab_size=64, seq_len=32, **CONFIGS[model])
-    tokens = 2 * 32 // (2 if "--tp" in layout else 1)  # under tp, each tp rank routes its share of the sequence
-    layers = config.n_layer - config.first_dense
-    for rank, figures in enumerate(counted):
-        experts, sent = moe_plan(config, tokens, 2, figures["mesh"]["expert_shard"])
-        if "--pp" in layout:  # a stage's layers: half of them, its micro-batches' tokens: 2 of them
-            experts, sent = experts // 2, [sent[0] // 2 * 2, sent[1] // 2 * 2]
-        assert figures["experts"] == experts, rank
-        assert figures["sent"]["ep"]["all-to-all"] == sent, rank
-        assert figures["moe_layers"] == (layers // 2 if "--pp" in layout else layers)
+@pytest.mark.parametrize("layout", [["--pp", "2", "--grad_accum", "2"], ["--tp", "2"]])
+def test_a_mixture_of_experts_is_simulated_as_a_real_run_holds_and_sends_it(layout):
+    """moe-mini (DeepSeek's options: a shared expert, a dense first block, the bias) with ep 2 from fsdp's ranks:
+    at pp 2 (the routing's sums sent on beside the activations) on 4 real ranks and simulated, both routed evenly
+    (simulated tensors hold no values to route by), every rank's figures equal; at pp 2 and at tp 2 (each tp rank
+    routes its share of the sequence), each rank's experts' bytes and all-to-alls equal the shapes'."""
+    argv = ["--model", "moe-mini", *MOE, *layout]
+    figures = simulated(4, *argv, "--every_rank")
+    if "--pp" in layout:  # one real run: tp's collectives are counted for real by the tests above
+        real = torchrun_in_process(4, SIMULATE, *argv, "--json", timeout=120)
+        assert real.codes == [0] * 4, real.stderr
+        assert json.loads(real.stdouts[0]) == figures
+    config = GPTConfig(vocab_size=64, seq_len=32, **CONFIGS["moe-mini"])
+    pp = "--pp" in layout
+    for rank, mine in enumerate(figures):
+        layers = mine["moe_layers"]  # pp: its stage's, 1 (after the dense first block) or 2
+        experts, sent = moe_plan(config, layers, 2 * 32 // (1 if pp else 2), 2 if pp else 1, 2,
+                                 mine["mesh"]["expert_shard"])
+        assert mine["experts"] == experts and mine["sent"]["ep"]["all-to-all"] == sent, rank
+    stages = {rank // 2 if pp else 0: mine["moe_layers"] for rank, mine in enumerate(figures)}
+    assert sum(stages.values()) == config.n_layer - config.first_dense
 
 
 def test_qwen3_30b_a3b_at_1024_ranks_holds_and_sends_what_its_shapes_say():
@@ -336,7 +335,7 @@ def test_qwen3_30b_a3b_at_1024_ranks_holds_and_sends_what_its_shapes_say():
                            "--parallel", "hsdp", "--shard_size", "64", "--ep", "8", "--precision", "bf16")
     assert figures["mesh"] == {"replicate": 16, "shard": 64, "expert_shard": 8, "ep": 8}
     config = GPTConfig(vocab_size=151936, seq_len=4096, **CONFIGS["qwen3-30b-a3b"])
-    experts, sent = moe_plan(config, 4096, 8, 8, precision=2)
+    experts, sent = moe_plan(config, 48, 4096, 1, 8, 8, precision=2)
     assert figures["experts"] == experts == 48 * 3 * 128 * 768 * 2048 * 4 // 64
     assert figures["sent"]["ep"]["all-to-all"] == sent == [5 * 48, 48 * (8 * 128 + 4 * 4096 * 8 * 2048 * 2)]
     with torch.device("meta"):
