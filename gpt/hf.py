@@ -9,7 +9,7 @@ Qwen3ForCausalLM or (a mixture of experts) Qwen3MoeForCausalLM loads with from_p
 
 It writes config.json and model.safetensors. The weights are the same numbers in other places: GPT-2 keeps q, k
 and v in one projection (c_attn, q's rows first) and its Conv1D stores a weight as (in, out), a Linear's
-transposed; the head stays tied to the embedding (one matrix, saved once). The Llama family (LLAMA below) is
+transposed; the head stays tied to the embedding (one matrix, saved once). The Llama family (hf.py's LLAMA table) is
 one name for one name: Linear for Linear, and the rotary layout is transformers' (rotate-half) in both, so
 nothing is permuted; a model with QK-norm is a Qwen3, one without a Llama. A vocabulary padded for speed (50304
 for GPT-2's 50257) is kept, and said; --vocab_size 50257 cuts the rows no token uses. A model trained on

@@ -113,8 +113,10 @@ def one_step(args: argparse.Namespace, world_size: int, device: torch.device, fa
     for layer in layers:  # routed evenly (its counts from shapes, the same real and simulated), and its ep groups
         layer.even = True
         experts = layer.experts.gate.device_mesh if isinstance(layer.experts.gate, DTensor) else None
-        for name in experts.mesh_dim_names if experts is not None else []:
-            counted.dims[experts.get_group(name).group_name], counted.sizes[name] = name, experts[name].size()
+        for name in experts.mesh_dim_names if experts is not None else []:  # one group two dimensions' (the world's):
+            group, counted.sizes[name] = experts.get_group(name).group_name, experts[name].size()  # both names
+            counted.dims[group] = name if counted.dims.get(group, name) in (name, "other") else \
+                f"{counted.dims[group].split(' = ')[0]} = {name}"
     if isinstance(model, pipeline.Pipeline) and model.tie_group is not None:  # the tied matrix's pair of ranks
         counted.dims[model.tie_group.group_name] = "tied"
     if isinstance(model, pipeline.Pipeline):
@@ -232,12 +234,14 @@ def report(args: argparse.Namespace, world_size: int, figures: dict, simulated: 
         for kind, (count, total) in kinds.items():
             lines.append(f"  {dim + ' ' + kind:<{width}}{count:>6}{size(total):>15}"
                          f"{size(total * WIRE[kind]({**dims, **PAIRS}.get(dim, world_size))):>17}")
-    layers, routed = figures["moe_layers"], figures["sent"].get("ep", {}).get("all-to-all")
+    layers = figures["moe_layers"]
+    routed = sum(kinds.get("all-to-all", [0, 0])[1] for kinds in figures["sent"].values())  # ep's alone send them
     if routed:  # its counts, the tokens there and back, and their gradients the other way: 5 a layer
-        lines.append(f"per MoE layer ({layers}, routed evenly): all-to-all {size(routed[1] / layers)} whole tensors, "
-                     f"each rank sends {size(routed[1] / layers * WIRE['all-to-all'](dims['ep']))}")
-        lines.append(f"training FLOPs per token, of the active parameters (top_k of the experts): "
-                     f"{figures['flops_per_token']:,}")
+        lines.append(f"per MoE layer ({layers}, routed evenly): all-to-all {size(routed / layers)} whole tensors, "
+                     f"each rank sends {size(routed / layers * WIRE['all-to-all'](dims['ep']))}")
+    if layers:
+        lines.append(f"training FLOPs per token: {figures['flops_per_token']:,} (6 per active parameter, top_k of "
+                     f"the experts, and attention's)")
     return "\n".join(lines)
 
 
