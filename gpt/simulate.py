@@ -60,7 +60,8 @@ class Collectives(TorchDispatchMode):
         if mesh is None:  # ddp: every rank in one group
             self.dims, self.sizes = {dist.group.WORLD.group_name: "world"}, {"world": dist.get_world_size()}
         else:
-            self.dims = {mesh.get_group(name).group_name: name for name in mesh.mesh_dim_names}
+            self.dims = {dist.group.WORLD.group_name: "world",  # (unless a dimension spans it)
+                         **{mesh.get_group(name).group_name: name for name in mesh.mesh_dim_names}}
             self.sizes = {name: mesh[name].size() for name in mesh.mesh_dim_names}
         self.sent = defaultdict(lambda: defaultdict(lambda: [0, 0]))
 

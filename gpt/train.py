@@ -300,9 +300,9 @@ def resume(args: argparse.Namespace, checkpoints: Checkpoints, parts: list[torch
             name, value)) != value and (name != "--pp_schedule" or None not in (was, value))]  # --pp says that
         schedule = [name for name in ("lr", "min_lr", "warmup_steps", "max_steps")
                     if manifest["run"].get(f"--{name}", getattr(args, name)) != getattr(args, name)]
+        old = argparse.Namespace(**{**vars(args), **{n: manifest["run"][f"--{n}"] for n in schedule}})
         lr = ""
-        if schedule:  # the new schedule from the next step on: a longer --max_steps stretches the cosine
-            old = argparse.Namespace(**{**vars(args), **{n: manifest["run"][f"--{n}"] for n in schedule}})
+        if lr_at(manifest["step"], old) != lr_at(manifest["step"], args):  # the new schedule from the next step on
             lr = (f"; the learning rate of step {manifest['step'] + 1}: {lr_at(manifest['step'], args):.2e} (the "
                   f"old schedule's: {lr_at(manifest['step'], old):.2e})")
         if changed:
