@@ -111,13 +111,14 @@ def one_step(args: argparse.Namespace, world_size: int, device: torch.device, fa
     optimizer = torch.optim.AdamW(model.parameters())
     counted = Collectives(mesh)
     layers = [layer for part in getattr(model, "parts", [model]) for layer in parallelize.moe_layers(part)]
-    for layer in layers:  # routed evenly (its counts from shapes, the same real and simulated), and its ep groups
+    for layer in layers:  # routed evenly: its counts from shapes, the same real and simulated
         layer.even = True
-        experts = layer.experts.gate.device_mesh if isinstance(layer.experts.gate, DTensor) else None
-        for name in experts.mesh_dim_names if experts is not None else []:  # one group two dimensions' (the world's):
-            group, counted.sizes[name] = experts.get_group(name).group_name, experts[name].size()  # both names
-            counted.dims[group] = name if counted.dims.get(group, name) in (name, "other") else \
-                f"{counted.dims[group].split(' = ')[0]} = {name}"
+    experts = next((layer.experts.gate.device_mesh for layer in layers if isinstance(layer.experts.gate, DTensor)),
+                   None)  # --ep: the experts' mesh, every layer's the same
+    for name in experts.mesh_dim_names if experts is not None else []:
+        group, counted.sizes[name] = experts.get_group(name).group_name, experts[name].size()
+        known = counted.dims.get(group)  # a group two dimensions' (the world's, fsdp 2 with ep 2): both names
+        counted.dims[group] = name if known in (None, name) else f"{known} = {name}"
     if isinstance(model, pipeline.Pipeline) and model.tie_group is not None:  # the tied matrix's pair of ranks
         counted.dims[model.tie_group.group_name] = "tied"
     if isinstance(model, pipeline.Pipeline):

@@ -326,6 +326,16 @@ def test_a_mixture_of_experts_is_simulated_as_a_real_run_holds_and_sends_it(layo
     assert sum(stages.values()) == config.n_layer - config.first_dense
 
 
+def test_a_group_that_is_two_dimensions_is_named_for_both():
+    """fsdp 2 with ep 2: the shard group and the ep group are both the world's, so FSDP's gathers and the experts'
+    all-to-alls share one row name, "shard = ep", not the experts' alone."""
+    (figures,) = simulated(2, "--model", "moe-tiny", *MOE)
+    assert set(figures["sent"]) == {"shard = ep"}
+    config = GPTConfig(vocab_size=64, seq_len=32, **CONFIGS["moe-tiny"])
+    assert figures["sent"]["shard = ep"]["all-to-all"] == moe_plan(config, 2, 64, 1, 2, 1)[1]
+    assert figures["sent"]["shard = ep"]["all-gather"][0] == 4  # FSDP's: 2 blocks twice, less the last, and the root
+
+
 def test_qwen3_30b_a3b_at_1024_ranks_holds_and_sends_what_its_shapes_say():
     """Qwen3-30B-A3B (128 experts, 8 a token) on hsdp 16 × 64 with ep 8, in bf16, 4,096 tokens a rank: each rank
     holds 16 of each layer's experts, an eighth of them (expert_shard 8); each layer sends 4 × 4,096 × 8 rows of
