@@ -203,8 +203,11 @@ def launch(args: argparse.Namespace) -> int:
     try:
         if args.out_dir:  # one launcher a folder: its lock, held till it exits (a second would overwrite replica_R.pt)
             os.lockf(os.open(os.path.join(args.out_dir, "lock"), os.O_RDWR | os.O_CREAT), os.F_TLOCK, 0)
+        # A dead replica drops out of the quorum after 1 s without a heartbeat; a live one late to its quorum
+        # is waited for up to 10 s. A join timeout shorter than a step once let a quorum form before a live
+        # replica asked, and the replicas then fell out of step, each quorum's late ones healing every step.
         lighthouse = LighthouseServer(bind=f"127.0.0.1:{args.lighthouse_port}", min_replicas=1,
-                                      join_timeout_ms=200, heartbeat_timeout_ms=1000)
+                                      join_timeout_ms=10_000, heartbeat_timeout_ms=1000)
     except BlockingIOError:
         sys.exit(f"error: --out_dir {args.out_dir} is in use by another launcher (it holds {args.out_dir}/lock)")
     except RuntimeError as error:  # a port already taken, say
