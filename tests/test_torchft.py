@@ -4,6 +4,7 @@ never stop stepping, and all end with the same weights, bit for bit; DiLoCo all-
 and its replicas are equal after each; bad input is one line, and nothing is left running.
 
 Every run goes through launch.run, which fails a test that leaves any process behind."""
+import argparse
 import os
 import re
 import socket
@@ -132,7 +133,7 @@ def free_port_held() -> socket.socket:
 
 @pytest.mark.parametrize("case", ["no lighthouse", "port taken", "replica out of range", "no torchft", "bad kill",
                                   "no out_dir", "out_dir in use"])
-def test_bad_input_is_one_line_and_nothing_is_left_running(case, tmp_path):
+def test_bad_input_is_one_line_and_nothing_is_left_running(case, tmp_path, monkeypatch, capsys):
     held = free_port_held()
     port = held.getsockname()[1]
     argv, said = {
@@ -150,7 +151,12 @@ def test_bad_input_is_one_line_and_nothing_is_left_running(case, tmp_path):
     }[case]
     lock = os.open(tmp_path / "lock", os.O_RDWR | os.O_CREAT)  # a first launcher's, held as it holds it
     os.lockf(lock, os.F_LOCK, 0)
-    if case == "no torchft":
+    if case in ("replica out of range", "bad kill", "no out_dir"):  # argparse's: in this process, the same code
+        with pytest.raises(SystemExit) as exit, monkeypatch.context() as patch:
+            patch.setattr(sys, "argv", ["fault_tolerance.py", *argv])
+            fault_tolerance.parse_args()
+        result = argparse.Namespace(returncode=exit.value.code, stderr=capsys.readouterr().err)
+    elif case == "no torchft":
         code = "import runpy, sys; sys.modules['torchft'] = None; sys.argv[0] = 'fault_tolerance.py'; " \
                "runpy.run_path('fault_tolerance.py', run_name='__main__')"
         result = python("-c", code, timeout=60)
