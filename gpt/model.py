@@ -173,6 +173,7 @@ class Attention(nn.Module):
         self.o = nn.Linear(c.n_head * c.head_dim, c.n_embd, bias=bias)
         self.q_norm = nn.RMSNorm(c.head_dim, eps=c.norm_eps) if c.qk_norm else None
         self.k_norm = nn.RMSNorm(c.head_dim, eps=c.norm_eps) if c.qk_norm else None
+        self.attend = causal_attention  # (q, k, v, dropout_p) -> the heads' outputs; context parallel swaps it
 
     def forward(self, x: torch.Tensor, rope: tuple | None = None) -> torch.Tensor:  # x: (batch, seq, n_embd)
         batch, seq, _ = x.shape
@@ -183,10 +184,15 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
         if rope is not None:
             q, k = rotate(q, *rope), rotate(k, *rope)
-        # enable_gqa: q head h attends with k and v head h // (n_head / n_kv_head), as transformers' repeat_kv
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-                                           enable_gqa=k.shape[1] != q.shape[1])
+        y = self.attend(q, k, v, self.dropout if self.training else 0.0)  # --cp: gpt/context.py's
         return self.o(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """Each query over the keys up to its own place. enable_gqa: q head h attends with k and v head
+    h // (n_head / n_kv_head), as transformers' repeat_kv."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 class MLP(nn.Module):

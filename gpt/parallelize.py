@@ -24,6 +24,7 @@ from torch.distributed.tensor import parallel as tp
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+import context
 import pipeline
 from model import GPT, GPTConfig, MoE, grouped
 from optimizer import clip, grad_norm
@@ -43,8 +44,12 @@ def refused_layout(args: argparse.Namespace) -> str | None:
     --pp_schedule's default. simulate.py calls it too, so that it refuses what train.py refuses."""
     if args.shard_size is not None and (args.parallel != "hsdp" or args.shard_size < 1):
         return "--shard_size is for --parallel hsdp, and must be at least 1"
-    if args.tp < 1 or args.pp < 1 or args.ep < 1:
-        return "--tp, --pp and --ep must be at least 1"
+    if args.tp < 1 or args.pp < 1 or args.ep < 1 or args.cp < 1:
+        return "--tp, --pp, --ep and --cp must be at least 1"
+    if args.cp > 1 and args.parallel == "ddp":  # the cp ranks shard the weights: FSDP's groups
+        return f"--cp {args.cp} needs --parallel fsdp or hsdp (cp alone: --parallel fsdp --cp N on N ranks)"
+    if args.cp > 1 and (args.tp > 1 or args.pp > 1 or args.ep > 1 or args.compile):
+        return f"--cp {args.cp} does not yet go with --tp, --pp, --ep or --compile (issue 60: fsdp and hsdp first)"
     if args.ep > 1 and args.parallel == "ddp":  # the experts' shards need FSDP's groups of what ep leaves
         return f"--ep {args.ep} needs --parallel fsdp or hsdp (ep alone: --parallel fsdp --ep N on N ranks)"
     if args.ep > 1 and args.activation_checkpoint == "selective":  # torch 2.13, measured
@@ -85,7 +90,14 @@ def check_layout(args: argparse.Namespace, config: GPTConfig, world_size: int) -
         raise ValueError(f"--tp {args.tp} does not divide the {world_size} ranks")
     if world_size % (args.pp * args.tp):
         raise ValueError(f"--pp {args.pp} × --tp {args.tp} does not divide the {world_size} ranks")
-    dp = world_size // (args.pp * args.tp)
+    if world_size % (args.pp * args.tp * args.cp):
+        raise ValueError(f"--cp {args.cp} × --pp {args.pp} × --tp {args.tp} does not divide the {world_size} ranks")
+    if config.seq_len % (2 * args.cp):  # head-tail: 2·cp chunks of the sequence (gpt/context.py)
+        raise ValueError(f"--cp {args.cp}: 2 × {args.cp} does not divide --seq_len {config.seq_len} (each rank holds "
+                         "two of 2·cp equal chunks)")
+    if args.cp > 1 and config.n_expert:
+        raise ValueError(f"--cp {args.cp}: a mixture of experts does not yet train under --cp (issue 60)")
+    dp = world_size // (args.pp * args.tp * args.cp)
     if args.parallel == "hsdp" and dp % shard_size(args, world_size):
         raise ValueError(f"--shard_size {shard_size(args, world_size)} does not divide the {dp} data-parallel ranks")
     if args.pp > 1:
@@ -109,10 +121,11 @@ def check_layout(args: argparse.Namespace, config: GPTConfig, world_size: int) -
 
 
 def shard_size(args: argparse.Namespace, world_size: int, node: int | None = None) -> int:
-    """hsdp: the ranks of a shard group, --shard_size or a node's (`node` ranks, else LOCAL_WORLD_SIZE) less
-    tp's, at most the data-parallel ranks (with --pp on one node, fewer than a node's)."""
-    node = node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    return args.shard_size or math.gcd(max(1, node // args.tp), max(1, world_size // (args.tp * args.pp)))
+    """hsdp: the data-parallel ranks of a shard group (a cp group counting once, as a tp group does), --shard_size
+    or a node's (`node` ranks, else LOCAL_WORLD_SIZE) over tp's and cp's, at most the data-parallel ranks (with --pp
+    on one node, fewer than a node's)."""
+    node, inner = node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), args.tp * args.cp
+    return args.shard_size or math.gcd(max(1, node // inner), max(1, world_size // (inner * args.pp)))
 
 
 def make_mesh(args: argparse.Namespace, world_size: int, device: torch.device) -> DeviceMesh | None:
@@ -122,10 +135,12 @@ def make_mesh(args: argparse.Namespace, world_size: int, device: torch.device) -
     outermost, a pipeline's stages the farthest apart (their sends are few and point to point). ddp: none."""
     if args.parallel == "ddp":
         return None
-    dp = world_size // (args.pp * args.tp)  # the data-parallel ranks: one per pipeline and tp group
+    dp = world_size // (args.pp * args.tp * args.cp)  # the data-parallel ranks: one per pipeline, cp and tp group
     shape, names = (dp,), ("shard",)
     if args.parallel == "hsdp":
         shape, names = (dp // shard_size(args, world_size), shard_size(args, world_size)), ("replicate", "shard")
+    if args.cp > 1:  # next to shard: FSDP shards over the two, flattened (parallelize_gpt)
+        shape, names = (*shape, args.cp), (*names, "cp")
     if args.tp > 1:
         shape, names = (*shape, args.tp), (*names, "tp")
     if args.pp > 1:
@@ -164,13 +179,15 @@ def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespac
     # Gradients reduced in fp32. In fp32, no param_dtype: FSDP would cast every forward's inputs to what they are.
     policy = MixedPrecisionPolicy(param_dtype=None if args.precision == "fp32" else DTYPES[args.precision],
                                   reduce_dtype=torch.float32)
-    dp_mesh = mesh[tuple(name for name in mesh.mesh_dim_names if name not in ("pp", "tp"))]
+    dp_mesh = fsdp_mesh(mesh)
     experts_mesh = expert_mesh(mesh, args.ep) if args.ep > 1 else None
     for part in parts:
         if "tp" in mesh.mesh_dim_names:
             tensor_parallel(part, mesh["tp"])  # FSDP then shards each tp shard again, over the data-parallel ranks
         if experts_mesh is not None:
             expert_parallel(part, experts_mesh, policy)
+        if "cp" in mesh.mesh_dim_names:
+            context.context_parallel(part, mesh["cp"].get_group(), args.cp_method)
         # One all-gather per block, freed after its forward and gathered again for its backward; under the
         # schedules that split each backward in two (torch 2.13), the last stage's blocks so sharded lose their
         # weights' gradients (None, measured): one per stage. The last block is kept gathered after its forward
@@ -200,6 +217,21 @@ def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespac
     if ids:
         return pipeline.Pipeline(parts, ids, mesh, args, device, DTYPES[args.precision], lambda: loss_context(mesh))
     return model
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP shards over: make_mesh()'s data-parallel dimensions, shard (or replicate and shard), with a cp
+    dimension folded into shard (one dimension, shard_cp: the cp ranks hold shards of the weights too, as torchtitan
+    folds cp into dp_shard). A mesh of its own, of all ranks, as expert_mesh() makes: torch 2.13 warns that slicing
+    a flattened dimension out of the root mesh will go."""
+    names = mesh.mesh_dim_names
+    if "cp" not in names:
+        return mesh[tuple(name for name in names if name not in ("pp", "tp"))]
+    at = names.index("shard")  # cp follows it
+    shape = (*mesh.shape[:at], mesh.shape[at] * mesh.shape[at + 1], *mesh.shape[at + 2:])
+    folded = (*names[:at], "shard_cp", *names[at + 2:])
+    return DeviceMesh(mesh.device_type, mesh.mesh.reshape(shape), mesh_dim_names=folded)[
+        tuple(name for name in folded if name not in ("pp", "tp"))]
 
 
 def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
@@ -465,11 +497,12 @@ def tp_moe_gradients(model: nn.Module) -> None:
 
 def data_rank(mesh: DeviceMesh | None, rank: int, world_size: int) -> tuple[int, int]:
     """(which share of each batch this rank reads, how many shares): the ranks of one tp group, neighbours
-    (tp innermost), read the same, and so do a pipeline's stages (pp outermost)."""
+    (tp innermost), read the same, and so do those of a cp group (next outward) and a pipeline's stages (pp
+    outermost)."""
     names = mesh.mesh_dim_names if mesh is not None else ()
-    tp_size, pp_size = (mesh[name].size() if name in names else 1 for name in ("tp", "pp"))
-    shares = world_size // (tp_size * pp_size)
-    return rank // tp_size % shares, shares
+    tp_size, cp_size, pp_size = (mesh[name].size() if name in names else 1 for name in ("tp", "cp", "pp"))
+    shares = world_size // (tp_size * cp_size * pp_size)
+    return rank // (tp_size * cp_size) % shares, shares
 
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # the optimizer's state by parameter name: parts merge

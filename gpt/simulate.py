@@ -192,7 +192,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("shard_size", "tp", "pp", "ep", "grad_accum", "batch_size", "seq_len", "vocab_size", "ranks"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
-    args.compile, args.seed = False, 0  # what parallelize.py reads of train.py's
+    args.compile, args.seed, args.cp = False, 0, 1  # what parallelize.py reads of train.py's (--cp: not yet counted)
     refused = parallelize.refused_layout(args)  # what train.py refuses
     if refused:
         p.error(refused)

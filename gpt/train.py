@@ -38,6 +38,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checks
+import context
 import data
 import hf
 import parallelize
@@ -52,7 +53,7 @@ from stop import StopRequest
 
 # What a checkpoint records of the run that wrote it; a resume with other values says so in one line.
 RUN = ("data", "max_steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "seed", "batch_size",
-       "grad_accum", "parallel", "tp", "pp", "pp_schedule", "ep", "precision")
+       "grad_accum", "parallel", "tp", "pp", "pp_schedule", "ep", "cp", "cp_method", "precision")
 GC_EVERY = 100  # steps between garbage collections, on every rank at once
 def steps_range(text: str) -> tuple[int, int]:
     """--profile's A:B: the first and last step to trace, 1 <= A <= B."""
@@ -97,6 +98,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                       "micro-batches (1F1B: at least --pp of them; 1: none)")
     p.add_argument("--ep", type=int, default=1, help="fsdp, hsdp: expert parallel over groups of this many data-"
                                                       "parallel ranks,\neach holding n_expert / ep experts (1: none)")
+    p.add_argument("--cp", type=int, default=1, help="fsdp, hsdp: context parallel: each sequence split over groups "
+                                                      "of this many ranks,\nwhich read the same batch and shard the "
+                                                      "weights with FSDP's (1: none)")
+    p.add_argument("--cp_method", choices=context.METHODS, default="allgather",
+                   help="--cp's attention: allgather, each rank's k and v gathered from the others")
     p.add_argument("--pp_schedule", choices=pipeline.SCHEDULES,
                    help="--pp's schedule, torch.distributed.pipelining's (default: 1F1B); Interleaved1F1B,\n"
                         "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble and DualPipeV hold two stages per rank")
@@ -295,7 +301,7 @@ def resume(args: argparse.Namespace, checkpoints: Checkpoints, parts: list[torch
         print(f"resuming from {folder}: step {manifest['step']} of {args.max_steps}", flush=True)
         world_size = dist.get_world_size()
         run = {**{f"--{name}": getattr(args, name) for name in RUN}, "ranks": world_size,
-               "global batch": args.batch_size * args.grad_accum * world_size // (args.tp * args.pp)}
+               "global batch": args.batch_size * args.grad_accum * world_size // (args.tp * args.pp * args.cp)}
         changed = [f"{name} {value} (was {was})" for name, value in run.items() if (was := manifest["run"].get(
             name, value)) != value and (name != "--pp_schedule" or None not in (was, value))]  # --pp says that
         schedule = [name for name in ("lr", "min_lr", "warmup_steps", "max_steps")

@@ -1,0 +1,111 @@
+"""gpt/'s context parallel (--cp, gpt/context.py): each sequence split over the cp ranks, head-tail, trains what one
+process trains on whole sequences, with the tolerances of tests/test_gpt.py, for GPT-2 (learned positions) and the
+Llama family (rotary, grouped-query heads); red when the chunks, a rank's positions or the gathered keys' mask are
+wrong; a checkpoint resumes across cp degrees; a layout --cp cannot take is one line."""
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from harness import torchrun_in_process
+from test_gpt import ARGV, FOLDERS, SPLITS, assert_same_training, run_split, strict_records
+
+from gpt.context import positions
+from gpt.model import GPT
+
+# (--parallel, ranks, --batch_size, --grad_accum, more): 12 sequences of 32 tokens a step, as SPLITS
+LAYOUTS = {
+    "tiny": [("fsdp", 2, 2, 6, "--cp", "2"), ("fsdp", 4, 2, 6, "--cp", "4")],
+    "llama-tiny": [("fsdp", 4, 2, 3, "--cp", "2"), ("hsdp", 4, 3, 2, "--shard_size", "1", "--cp", "2",
+                                                    "--activation_checkpoint", "full")],
+    "qwen3-tiny": [("fsdp", 3, 2, 6, "--cp", "3", "--seq_len", "36")],
+}
+
+
+def one_process(model: str, *more: str):
+    return run_split("ddp", *SPLITS[0], "--model", model, *more)
+
+
+def test_each_rank_holds_chunks_i_and_2n_minus_1_minus_i_and_all_together_the_sequence():
+    assert positions(16, 2, 0, "cpu").tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert positions(16, 2, 1, "cpu").tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    held = torch.cat([positions(36, 3, r, "cpu") for r in range(3)])
+    assert sorted(held.tolist()) == list(range(36))
+    # balanced: each rank's queries see as many keys as another's, under the causal mask
+    assert len({int((positions(36, 3, r, "cpu") + 1).sum()) for r in range(3)}) == 1
+
+
+@pytest.mark.parametrize(("model", "layout"), [(m, layout) for m, layouts in LAYOUTS.items() for layout in layouts],
+                         ids=[f"{m}-{' '.join(map(str, layout))}" for m, layouts in LAYOUTS.items()
+                              for layout in layouts])
+def test_context_parallel_trains_what_one_process_trains_on_whole_sequences(model, layout):
+    """Every logged loss and gradient norm, the validation losses and the exported weights."""
+    more = layout[layout.index("--seq_len"):][:2] if "--seq_len" in layout else ()
+    reference = one_process(model, *more)
+    other = run_split(*layout, "--model", model)
+    assert f"{layout[0]} on {layout[1]} ranks (" in other[2] and "cp " in other[2].splitlines()[0]
+    assert_same_training(reference, other, f"{model}: {layout}")
+
+
+@pytest.mark.parametrize("mutant", ["chunks", "positions", "mask"])
+def test_the_proof_fails_when_the_chunks_the_positions_or_the_mask_are_wrong(mutant):
+    """tests/gpt_cp_mutant.py: the sequence cut into plain halves, not head-tail (each rank's mask still of the
+    head-tail places); the tokens' positions each rank's own 0, 1, ... (rotary tables of the wrong places); the mask
+    of the gathered keys causal within each rank's chunk alone: not one process's training."""
+    folder = Path(tempfile.mkdtemp(dir=FOLDERS.name))
+    result = torchrun_in_process(2, "tests/gpt_cp_mutant.py", *ARGV, "--parallel", "fsdp", "--cp", "2", "--batch_size",
+                                 "2", "--grad_accum", "6", "--model", "llama-tiny", "--out_dir", "out", "--export",
+                                 "model.pt", cwd=folder, env={"CP_MUTANT": mutant}, timeout=120)
+    assert result.codes == [0, 0], result.stderr  # it runs: the failure below is the numbers'
+    broken = strict_records(folder / "out" / "metrics.jsonl"), GPT.load(str(folder / "model.pt")).state_dict(), ""
+    with pytest.raises(AssertionError):
+        assert_same_training(one_process("llama-tiny"), broken, mutant)
+
+
+def test_a_checkpoint_at_cp_2_resumes_at_cp_4_and_in_one_process(tmp_path):
+    """llama-tiny, 8 steps at fsdp 2 × cp 2 with a checkpoint at step 4, resumed at cp 4 and by one process: every
+    later record within 1e-5 of the whole run's (sums split otherwise)."""
+    argv = [*ARGV, "--model", "llama-tiny", "--save_every", "4", "--out_dir", "out"]
+    runs = {}
+    for name, nproc, more in (("whole", 4, ["--parallel", "fsdp", "--cp", "2", "--batch_size", "2", "--grad_accum",
+                                            "3"]),
+                              ("cp4", 4, ["--parallel", "fsdp", "--cp", "4", "--batch_size", "2", "--grad_accum", "6"]),
+                              ("one", 1, ["--batch_size", "2", "--grad_accum", "6"])):
+        folder = tmp_path / name
+        folder.mkdir()
+        if name != "whole":
+            shutil.copytree(tmp_path / "whole" / "out" / "step_00000004", folder / "out" / "step_00000004")
+        result = torchrun_in_process(nproc, "gpt/train.py", *argv, *more, cwd=folder, timeout=120)
+        assert result.codes == [0] * nproc, result.stderr
+        assert (name == "whole") != ("resuming from out/step_00000004: step 4 of 8" in result.stdouts[0])
+        runs[name] = [{k: v for k, v in r.items() if k in ("step", "loss", "grad_norm", "val_loss")}
+                      for r in strict_records(folder / "out" / "metrics.jsonl") if r["step"] > 4]
+    for name in ("cp4", "one"):
+        assert [r["step"] for r in runs[name]] == [r["step"] for r in runs["whole"]]
+        for mine, theirs in zip(runs[name], runs["whole"], strict=True):
+            for key in mine.keys() - {"step"}:
+                assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=0), (name, key, mine, theirs)
+
+
+@pytest.mark.parametrize(("nproc", "argv", "error"), [
+    (2, ["--parallel", "ddp", "--cp", "2"], "--cp 2 needs --parallel fsdp or hsdp"),
+    (2, ["--parallel", "fsdp", "--cp", "0"], "--tp, --pp, --ep and --cp must be at least 1"),
+    (2, ["--parallel", "fsdp", "--cp", "2", "--tp", "2"], "--cp 2 does not yet go with --tp, --pp, --ep or --compile"),
+    (2, ["--parallel", "fsdp", "--cp", "2", "--seq_len", "30"], "--cp 2: 2 × 2 does not divide --seq_len 30"),
+    (3, ["--parallel", "fsdp", "--cp", "2"], "--cp 2 × --pp 1 × --tp 1 does not divide the 3 ranks"),
+    (2, ["--parallel", "fsdp", "--cp", "2", "--model", "moe-tiny"], "--cp 2: a mixture of experts does not yet"),
+], ids=["ddp", "zero", "tp", "seq_len", "ranks", "moe"])
+def test_a_cp_degree_that_does_not_fit_is_refused_in_one_line(nproc, argv, error, tmp_path):
+    """The layout's options alone: argparse's error (exit 2, from each rank); with the model's shape or the ranks:
+    the job's one error line (exit 1). Nothing written."""
+    result = torchrun_in_process(nproc, "gpt/train.py", *argv, "--max_steps", "1", cwd=tmp_path, timeout=60)
+    assert "Traceback" not in result.stderr, result.stderr
+    if result.codes == [2] * nproc:
+        assert f"train.py: error: {error}" in result.stderr, result.stderr
+    else:
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert result.codes == [1] * nproc and len(errors) == 1 and errors[0].startswith(f"error: {error}"), \
+            result.stderr
+    assert not list(tmp_path.iterdir())
+
