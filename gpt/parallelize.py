@@ -92,11 +92,17 @@ def check_layout(args: argparse.Namespace, config: GPTConfig, world_size: int) -
         raise ValueError(f"--pp {args.pp} × --tp {args.tp} does not divide the {world_size} ranks")
     if world_size % (args.pp * args.tp * args.cp):
         raise ValueError(f"--cp {args.cp} × --pp {args.pp} × --tp {args.tp} does not divide the {world_size} ranks")
-    if config.seq_len % (2 * args.cp):  # head-tail: 2·cp chunks of the sequence (gpt/context.py)
+    if args.cp > 1 and config.seq_len % (2 * args.cp):  # head-tail: 2·cp chunks of the sequence (gpt/context.py)
         raise ValueError(f"--cp {args.cp}: 2 × {args.cp} does not divide --seq_len {config.seq_len} (each rank holds "
                          "two of 2·cp equal chunks)")
     if args.cp > 1 and config.n_expert:
         raise ValueError(f"--cp {args.cp}: a mixture of experts does not yet train under --cp (issue 60)")
+    if args.cp > 1 and args.cp_method == "ulysses" and config.n_head % args.cp:  # each rank attends n_head / cp heads
+        raise ValueError(f"--cp {args.cp} --cp_method ulysses: {args.cp} does not divide the model's n_head, "
+                         f"{config.n_head} (each rank attends with n_head / cp heads): use allgather or ring")
+    if args.cp > 1 and args.cp_method == "ring" and config.dropout:
+        raise ValueError(f"--cp {args.cp} --cp_method ring: the ring has no attention dropout, and the model's is "
+                         f"{config.dropout}: use allgather or ulysses")
     dp = world_size // (args.pp * args.tp * args.cp)
     if args.parallel == "hsdp" and dp % shard_size(args, world_size):
         raise ValueError(f"--shard_size {shard_size(args, world_size)} does not divide the {dp} data-parallel ranks")

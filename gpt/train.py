@@ -102,7 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                       "of this many ranks,\nwhich read the same batch and shard the "
                                                       "weights with FSDP's (1: none)")
     p.add_argument("--cp_method", choices=context.METHODS, default="allgather",
-                   help="--cp's attention: allgather, each rank's k and v gathered from the others")
+                   help="--cp's attention: allgather, each rank's k and v gathered from the others;\nulysses, "
+                        "all-to-alls that trade the sequence split for a head split;\nring, k and v passed from "
+                        "rank to rank")
     p.add_argument("--pp_schedule", choices=pipeline.SCHEDULES,
                    help="--pp's schedule, torch.distributed.pipelining's (default: 1F1B); Interleaved1F1B,\n"
                         "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble and DualPipeV hold two stages per rank")
@@ -396,11 +398,16 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
             if mesh is not None and mesh.ndim > 1 else ""
         print(f"gpt {args.model or args.init_from} ({n_params / 1e6:.2f}M parameters) | {args.parallel} on "
               f"{world_size} rank{'s' if world_size > 1 else ''}{f' ({shape})' if shape else ''}"
-              f"{f', schedule {args.pp_schedule}' if args.pp > 1 else ''}{f', ep {args.ep}' if args.ep > 1 else ''}, "
+              f"{f', schedule {args.pp_schedule}' if args.pp > 1 else ''}{f', ep {args.ep}' if args.ep > 1 else ''}"
+              f"{f', cp by {args.cp_method}' if args.cp > 1 else ''}, "
               f"{device.type}"
               f"{'' if args.activation_checkpoint == 'none' else f', {args.activation_checkpoint} checkpointing'} | "
               f"data {tokens.summary()} | global batch {global_batch} × {args.seq_len} tokens"
               f"{f' | weights from {args.init_from}' if args.init_from and not resuming[0] else ''}", flush=True)
+        if args.cp > 1 and args.cp_method == "ulysses" and config.n_kv_head % args.cp:
+            print(f"--cp {args.cp} --cp_method ulysses: the model's {config.n_kv_head} k and v heads do not split "
+                  f"over {args.cp} ranks: repeated to its {config.n_head} q heads before the all-to-all (more bytes "
+                  "sent)", flush=True)
         node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         if node % args.tp:  # tp innermost: its groups stay in a node only if they tile it
             print(f"--tp {args.tp}: its groups span nodes of {node} ranks, and tp's collectives (12 a block a step) "

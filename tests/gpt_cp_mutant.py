@@ -1,8 +1,9 @@
 """gpt/train.py with context parallel broken in one place, as CP_MUTANT says: `chunks`, each rank's tokens a plain
 1/cp of the sequence (not head-tail), their positions still head-tail's; `positions`, the head-tail tokens at the
 places 0, 1, ... of a sequence of their own (rotary tables and learned positions of the wrong places); `mask`, the
-gathered keys masked as if in the sequence's order, not the ranks'. For the test that shows the cp proof can fail
-(tests/test_gpt_context.py); main() is gpt/train.py's."""
+gathered keys masked as if in the sequence's order, not the ranks'; `merge`, the ring's partial results averaged,
+not weighted by their share of the softmax. For the test that shows the cp proof can fail (tests/test_gpt_context.py);
+main() is gpt/train.py's."""
 import os
 import sys
 from pathlib import Path
@@ -41,7 +42,9 @@ def sequence_order(group, q, k, v, dropout_p):
 
 
 if mutant == "mask":
-    context.allgather_attention = sequence_order
+    context.ATTENTION["allgather"] = sequence_order
+elif mutant == "merge":
+    context.merge = lambda outs, lses: sum(outs) / len(outs)
 else:
     context.split_sequences = {"chunks": plain_chunks, "positions": own_positions}[mutant]
 main = train.main

@@ -14,14 +14,18 @@ from test_gpt import ARGV, FOLDERS, SPLITS, assert_same_training, run_split, str
 from gpt.context import positions
 from gpt.model import GPT
 
-# (--parallel, ranks, --batch_size, --grad_accum, more): 12 sequences of 32 tokens a step, as SPLITS
+# (--parallel, ranks, --batch_size, --grad_accum, more): 12 sequences of 32 tokens a step, as SPLITS; each method at
+# cp 2 and at cp 3 or 4, with both families (tiny: GPT-2's learned positions, 2 heads; llama-tiny and qwen3-tiny:
+# rotary, 4 q heads on 2 k and v heads, which ulysses at cp 4 repeats)
 LAYOUTS = {
-    "tiny": [("fsdp", 2, 2, 6, "--cp", "2"), ("fsdp", 4, 2, 6, "--cp", "4")],
+    "tiny": [("fsdp", 2, 2, 6, "--cp", "2"), ("fsdp", 2, 2, 6, "--cp", "2", "--cp_method", "ulysses"),
+             ("fsdp", 4, 2, 6, "--cp", "4", "--cp_method", "ring")],
     "llama-tiny": [("fsdp", 4, 2, 3, "--cp", "2"), ("hsdp", 4, 3, 2, "--shard_size", "1", "--cp", "2",
-                                                    "--activation_checkpoint", "full")],
+                                                    "--activation_checkpoint", "full"),
+                   ("fsdp", 4, 2, 6, "--cp", "4", "--cp_method", "ulysses"),
+                   ("fsdp", 2, 2, 6, "--cp", "2", "--cp_method", "ring", "--activation_checkpoint", "full")],
     "qwen3-tiny": [("fsdp", 3, 2, 6, "--cp", "3", "--seq_len", "36")],
 }
-
 
 def one_process(model: str, *more: str):
     return run_split("ddp", *SPLITS[0], "--model", model, *more)
@@ -44,19 +48,24 @@ def test_context_parallel_trains_what_one_process_trains_on_whole_sequences(mode
     more = layout[layout.index("--seq_len"):][:2] if "--seq_len" in layout else ()
     reference = one_process(model, *more)
     other = run_split(*layout, "--model", model)
-    assert f"{layout[0]} on {layout[1]} ranks (" in other[2] and "cp " in other[2].splitlines()[0]
+    method = layout[layout.index("--cp_method") + 1] if "--cp_method" in layout else "allgather"
+    assert f"{layout[0]} on {layout[1]} ranks (" in other[2] and f", cp by {method}, " in other[2].splitlines()[0]
+    repeated = "the model's 2 k and v heads do not split over 4 ranks: repeated to its 4 q heads" in other[2]
+    assert repeated == (method == "ulysses" and "4" in layout and model != "tiny")  # said, where it is done
     assert_same_training(reference, other, f"{model}: {layout}")
 
 
-@pytest.mark.parametrize("mutant", ["chunks", "positions", "mask"])
-def test_the_proof_fails_when_the_chunks_the_positions_or_the_mask_are_wrong(mutant):
+@pytest.mark.parametrize("mutant", ["chunks", "positions", "mask", "merge"])
+def test_the_proof_fails_when_the_chunks_the_positions_the_mask_or_the_merge_are_wrong(mutant):
     """tests/gpt_cp_mutant.py: the sequence cut into plain halves, not head-tail (each rank's mask still of the
-    head-tail places); the tokens' positions each rank's own 0, 1, ... (rotary tables of the wrong places); the mask
-    of the gathered keys causal within each rank's chunk alone: not one process's training."""
+    head-tail places); the tokens' positions each rank's own 0, 1, ... (rotary tables of the wrong places); the
+    gathered keys masked as if in the sequence's order; the ring's partial results averaged, not weighted by their
+    log-sum-exp: not one process's training."""
     folder = Path(tempfile.mkdtemp(dir=FOLDERS.name))
-    result = torchrun_in_process(2, "tests/gpt_cp_mutant.py", *ARGV, "--parallel", "fsdp", "--cp", "2", "--batch_size",
-                                 "2", "--grad_accum", "6", "--model", "llama-tiny", "--out_dir", "out", "--export",
-                                 "model.pt", cwd=folder, env={"CP_MUTANT": mutant}, timeout=120)
+    method = "ring" if mutant == "merge" else "allgather"
+    result = torchrun_in_process(2, "tests/gpt_cp_mutant.py", *ARGV, "--parallel", "fsdp", "--cp", "2", "--cp_method",
+                                 method, "--batch_size", "2", "--grad_accum", "6", "--model", "llama-tiny", "--out_dir",
+                                 "out", "--export", "model.pt", cwd=folder, env={"CP_MUTANT": mutant}, timeout=120)
     assert result.codes == [0, 0], result.stderr  # it runs: the failure below is the numbers'
     broken = strict_records(folder / "out" / "metrics.jsonl"), GPT.load(str(folder / "model.pt")).state_dict(), ""
     with pytest.raises(AssertionError):
@@ -95,7 +104,9 @@ def test_a_checkpoint_at_cp_2_resumes_at_cp_4_and_in_one_process(tmp_path):
     (2, ["--parallel", "fsdp", "--cp", "2", "--seq_len", "30"], "--cp 2: 2 × 2 does not divide --seq_len 30"),
     (3, ["--parallel", "fsdp", "--cp", "2"], "--cp 2 × --pp 1 × --tp 1 does not divide the 3 ranks"),
     (2, ["--parallel", "fsdp", "--cp", "2", "--model", "moe-tiny"], "--cp 2: a mixture of experts does not yet"),
-], ids=["ddp", "zero", "tp", "seq_len", "ranks", "moe"])
+    (4, ["--parallel", "fsdp", "--cp", "4", "--cp_method", "ulysses"], "--cp 4 --cp_method ulysses: 4 does not divide "
+                                                                        "the model's n_head, 2"),
+], ids=["ddp", "zero", "tp", "seq_len", "ranks", "moe", "heads"])
 def test_a_cp_degree_that_does_not_fit_is_refused_in_one_line(nproc, argv, error, tmp_path):
     """The layout's options alone: argparse's error (exit 2, from each rank); with the model's shape or the ranks:
     the job's one error line (exit 1). Nothing written."""

@@ -333,7 +333,7 @@ def test_full_activation_checkpointing_under_ep_changes_nothing_bit_for_bit():
     (3, ["--parallel", "fsdp", "--ep", "2"], "--ep 2 does not divide the 3 ranks that shard the weights"),
     (4, ["--parallel", "hsdp", "--shard_size", "2", "--ep", "4"], "--ep 4 does not divide the 2 ranks that shard"),
     (2, ["--parallel", "fsdp", "--ep", "2", "--model", "llama-tiny"], "--ep 2: the model has no experts"),
-    (2, ["--parallel", "fsdp", "--ep", "0"], "--tp, --pp and --ep must be at least 1"),
+    (2, ["--parallel", "fsdp", "--ep", "0"], "--tp, --pp, --ep and --cp must be at least 1"),
     (2, ["--parallel", "fsdp", "--ep", "2", "--activation_checkpoint", "selective"], "--ep 2 and --activation_check"),
 ], ids=["ddp", "experts", "ranks", "shard-size", "dense", "zero", "selective"])
 def test_an_ep_degree_that_does_not_fit_is_refused_in_one_line(nproc, argv, error, tmp_path):
