@@ -38,10 +38,12 @@ def positions(seq_len: int, cp: int, rank: int, device: torch.device) -> torch.T
 
 
 def split_sequences(group: dist.ProcessGroup, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A forward pre-hook of the model: its inputs (idx, targets), whole sequences, cut to this rank's tokens, and
-    their positions passed on."""
+    """A forward pre-hook of the model: its inputs (idx, and targets, by place or by name), whole sequences, cut to
+    this rank's tokens, and their positions passed on."""
     where = positions(args[0].shape[1], group.size(), group.rank(), args[0].device)
-    return tuple(t[:, where] for t in args), {**kwargs, "positions": where}
+    if kwargs.get("targets") is not None:
+        kwargs = {**kwargs, "targets": kwargs["targets"][:, where]}
+    return tuple(None if t is None else t[:, where] for t in args), {**kwargs, "positions": where}
 
 
 class Gather(torch.autograd.Function):
