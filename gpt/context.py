@@ -7,15 +7,15 @@ the fewest keys, its last the most). Every token keeps its true position, for th
 learned positions. Each rank's loss is its tokens' mean; FSDP averages the gradients over its shard group, cp ranks
 included, so the step is the whole sequences' mean, as one process takes it.
 
---cp_method allgather (Llama 3's, torchtitan's): k and v gathered from the cp ranks after the rotary embedding,
-each rank's queries attending over all of them under the mask of the true positions; in the backward each rank's
-k and v get the gradients of every rank's queries, summed (a reduce-scatter).
+--cp_method allgather (Llama 3's, torchtitan's): k and v gathered from the cp ranks after the rotary embedding and
+put in the sequence's order, each rank's queries attending over all of them under the mask of their positions; in
+the backward each rank's k and v get the gradients of every rank's queries, summed (a reduce-scatter).
 --cp_method ulysses (DeepSpeed-Ulysses): an all-to-all each for q, k and v trades the sequence split for a head
 split (each rank all the tokens of n_head / N heads), attention runs whole on those heads, and one all-to-all
 trades back; n_head must divide by N, and k's and v's heads are repeated up to n_head where n_kv_head does not.
 --cp_method ring (ring attention): k and v passed from rank to rank, N - 1 times, while each rank attends to what
-it holds; the N partial results merged by their log-sum-exp. autograd runs the ring backward (the gradients of k
-and v travel the other way), and it keeps each step's scores for it.
+it holds; the N partial results merged by their log-sum-exp. Its backward is written out (RingAttention), flash
+attention's: nothing of the sequence's length squared is kept for it.
 """
 import functools
 
@@ -67,14 +67,15 @@ class Gather(torch.autograd.Function):
 def allgather_attention(group: dist.ProcessGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         dropout_p: float) -> torch.Tensor:
     """model.causal_attention under --cp_method allgather: q, k and v (batch, heads, this rank's tokens, head_dim),
-    the keys and values of the whole sequence gathered (in the ranks' order, not the sequence's: the mask says which
-    a query sees), each query attending over those at its place or before."""
+    the keys and values of the whole sequence gathered and put in the sequence's order (they come in the ranks'),
+    each query attending over those at its place or before: one process's keys, in one process's order."""
     cp, rank = group.size(), group.rank()
     seq_len = q.shape[2] * cp
     mine = positions(seq_len, cp, rank, q.device)
-    theirs = torch.cat([positions(seq_len, cp, r, q.device) for r in range(cp)])
-    k, v = (Gather.apply(t, group).permute(1, 2, 0, 3, 4).flatten(2, 3) for t in (k, v))  # (batch, heads, seq, dim)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=theirs[None, :] <= mine[:, None], dropout_p=dropout_p,
+    order = torch.cat([positions(seq_len, cp, r, q.device) for r in range(cp)]).argsort()
+    k, v = (Gather.apply(t, group).permute(1, 2, 0, 3, 4).flatten(2, 3)[:, :, order] for t in (k, v))
+    seen = torch.arange(seq_len, device=q.device)[None, :] <= mine[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=seen, dropout_p=dropout_p,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
 
@@ -97,7 +98,8 @@ class AllToAll(torch.autograd.Function):
 def ulysses_attention(group: dist.ProcessGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       dropout_p: float) -> torch.Tensor:
     """model.causal_attention under --cp_method ulysses: this rank's tokens of every head in, all the tokens of
-    n_head / cp heads attended, this rank's tokens of every head out."""
+    n_head / cp heads attended (put in the sequence's order: one process's causal attention, no mask to make), this
+    rank's tokens of every head out."""
     cp, tokens = group.size(), q.shape[2]
     if k.shape[1] % cp:  # q head h attends with k and v head h // (n_head / n_kv_head): repeated, they split as q's
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
@@ -106,67 +108,113 @@ def ulysses_attention(group: dist.ProcessGroup, q: torch.Tensor, k: torch.Tensor
         parts = AllToAll.apply(t.unflatten(1, (cp, -1)).movedim(1, 0), group)  # part r: rank r's tokens, my heads
         return parts.permute(1, 2, 0, 3, 4).flatten(2, 3)
 
-    q, k, v = (to_heads(t) for t in (q, k, v))
     where = torch.cat([positions(cp * tokens, cp, r, q.device) for r in range(cp)])  # the ranks' tokens, in order
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=where[None, :] <= where[:, None], dropout_p=dropout_p,
-                                       enable_gqa=k.shape[1] != q.shape[1])
+    q, k, v = (to_heads(t)[:, :, where.argsort()] for t in (q, k, v))  # the sequence's order: plain causal attention
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
+                                       enable_gqa=k.shape[1] != q.shape[1])[:, :, where]  # the ranks' order again
     back = AllToAll.apply(y.unflatten(2, (cp, tokens)).permute(2, 0, 1, 3, 4), group)  # part r: my tokens, r's heads
     return back.movedim(0, 1).flatten(1, 2)
 
 
-class RingPass(torch.autograd.Function):
-    """x sent to the next rank of `group`, the previous rank's received; the gradient passed the other way."""
+def ring_pass(tensors: tuple[torch.Tensor, ...], group: dist.ProcessGroup) -> tuple[torch.Tensor, ...]:
+    """Each tensor to the next rank of `group`, and the previous rank's received: one batch_isend_irecv, all its
+    sends and receives in flight together."""
+    cp, rank = group.size(), group.rank()
+    to, source = (dist.get_global_rank(group, (rank + step) % cp) for step in (1, -1))
+    outs = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors)
+    ops = [op for t, out in zip(tensors, outs, strict=True)
+           for op in (dist.P2POp(dist.isend, t.contiguous(), to, group), dist.P2POp(dist.irecv, out, source, group))]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return outs
+
+
+def ring_block(rank: int, source: int, tokens: int) -> tuple[slice, slice, bool]:
+    """Which of this rank's queries see which of rank `source`'s keys, head-tail: (query rows, key columns, causal).
+    Its own: all of them, causally (its two chunks are in the sequence's order). An earlier rank's: all the queries
+    see its first chunk (before both of this rank's), none its last (after both). A later rank's: only this rank's
+    last chunk sees it, all of it. Half the scores a step, but for its own: the head-tail balance, paid."""
+    half = tokens // 2
+    if source == rank:
+        return slice(None), slice(None), True
+    return (slice(None), slice(0, half), False) if source < rank else (slice(half, None), slice(None), False)
+
+
+def scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+    """q · k, fp32 (q already scaled), k's heads repeated to q's (as enable_gqa pairs them); causal: a query sees
+    the keys up to its own place (the diagonal: never a row of none)."""
+    s = q @ k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1).transpose(-2, -1)
+    return s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf")) if causal else s
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor):
+    """Attention over the keys of both, from attention over each: each result weighted by its share of the
+    softmax's denominator, exp(its log-sum-exp - the whole's); and the whole's log-sum-exp."""
+    whole = torch.logaddexp(lse, part_lse)
+    return out * (lse - whole).exp() + part * (part_lse - whole).exp(), whole
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention over the whole sequence, k and v passed round the cp ranks: at step t this rank holds rank
+    (rank - t)'s and attends to them (ring_block), the steps' results merged by their log-sum-exp. In fp32 whatever
+    the compute dtype. Flash attention's way: each step's scores made, used and dropped, the backward making them
+    again from the output and its log-sum-exp; so a rank keeps q, its own k and v, the output and the log-sum-exp,
+    nothing of the length squared. The backward passes k and v round again, with the sums of their gradients beside
+    them, and the sums one step more, home."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, step: int) -> torch.Tensor:
-        ctx.group, ctx.step = group, -step
-        return ring_pass(x, group, step)
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        cp, rank, scale = group.size(), group.rank(), q.shape[-1] ** -0.5
+        q32, kv = q.float() * scale, (k, v)
+        out, lse = None, None
+        for step in range(cp):
+            if step:
+                kv = ring_pass(kv, group)
+            rows, cols, causal = ring_block(rank, (rank - step) % cp, q.shape[2])
+            s = scores(q32[:, :, rows], kv[0][:, :, cols], causal)
+            part_lse = s.logsumexp(-1, keepdim=True)
+            values = kv[1][:, :, cols].float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            part = (s - part_lse).exp() @ values
+            if out is None:  # its own keys: every query's first
+                out, lse = part, part_lse
+            else:
+                out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], part, part_lse)
+        ctx.group = group
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ring_pass(grad, ctx.group, ctx.step), None, None
-
-
-def ring_pass(x: torch.Tensor, group: dist.ProcessGroup, step: int) -> torch.Tensor:
-    """x to the rank `step` places on in `group`, and what the rank `step` places back sent."""
-    cp, rank = group.size(), group.rank()
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    works = dist.batch_isend_irecv([
-        dist.P2POp(dist.isend, x.contiguous(), dist.get_global_rank(group, (rank + step) % cp), group),
-        dist.P2POp(dist.irecv, out, dist.get_global_rank(group, (rank - step) % cp), group)])
-    for work in works:
-        work.wait()
-    return out
+        q, k, v, out, lse = ctx.saved_tensors
+        group, repeat = ctx.group, q.shape[1] // k.shape[1]
+        cp, rank, scale = group.size(), group.rank(), q.shape[-1] ** -0.5
+        q32, grad = q.float() * scale, grad.float()
+        dot = (grad * out).sum(-1, keepdim=True)  # softmax's backward: each row's sum of grad · out
+        dq, kv = torch.zeros_like(q32), (k, v)
+        dkv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+        for step in range(cp):
+            if step:
+                kv, dkv = ring_pass(kv, group), ring_pass(dkv, group)
+            rows, cols, causal = ring_block(rank, (rank - step) % cp, q.shape[2])
+            p = (scores(q32[:, :, rows], kv[0][:, :, cols], causal) - lse[:, :, rows]).exp()  # the softmax's weights
+            keys, values = (t[:, :, cols].float().repeat_interleave(repeat, dim=1) for t in kv)
+            ds = p * (grad[:, :, rows] @ values.transpose(-2, -1) - dot[:, :, rows])  # the scores' gradient
+            dq[:, :, rows] += ds @ keys * scale
+            for acc, d in zip(dkv, (ds.transpose(-2, -1) @ q32[:, :, rows], p.transpose(-2, -1) @ grad[:, :, rows]),
+                              strict=True):  # a q head's share summed into its k and v head's
+                acc[:, :, cols] += d.unflatten(1, (k.shape[1], repeat)).sum(2)
+        dk, dv = ring_pass(dkv, group)  # the last held came from rank + 1: one step more, home
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
 def ring_attention(group: dist.ProcessGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    dropout_p: float) -> torch.Tensor:
-    """model.causal_attention under --cp_method ring: at step t this rank holds rank (rank - t)'s k and v, and
-    attends to them under the mask of the positions; the steps' results merged. In fp32 whatever the compute dtype.
-    No dropout (refused)."""
-    cp, rank, tokens, group_size = group.size(), group.rank(), q.shape[2], q.shape[1] // k.shape[1]
-    mine = positions(cp * tokens, cp, rank, q.device)
-    q32 = q.float() * q.shape[-1] ** -0.5
-    outs, lses = [], []
-    for step in range(cp):
-        if step:  # k's and v's own heads travel (grouped-query: the few), repeated for q's heads where they arrive
-            k, v = RingPass.apply(k, group, 1), RingPass.apply(v, group, 1)
-        keys, values = (t.float().repeat_interleave(group_size, dim=1) for t in (k, v))  # as enable_gqa pairs them
-        scores = q32 @ keys.transpose(-2, -1)
-        seen = positions(cp * tokens, cp, (rank - step) % cp, q.device)[None, :] <= mine[:, None]
-        # a large finite number, not -inf: a row with no key here (a later chunk's) gets weight exp(-1e30) = 0, not
-        # the nan of -inf - (-inf), in the forward and in the backward
-        scores = scores.masked_fill(~seen, -1e30)
-        lses.append(scores.logsumexp(-1, keepdim=True))
-        outs.append((scores - lses[-1]).exp() @ values)
-    return merge(outs, lses).to(q.dtype)
-
-
-def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
-    """Attention over all the keys, from its parts over some: each part's result weighted by its share of the
-    softmax's denominator, exp(its log-sum-exp - the whole's)."""
-    lse = torch.logsumexp(torch.stack(lses), dim=0)
-    return sum(out * (part - lse).exp() for out, part in zip(outs, lses, strict=True))
+    """model.causal_attention under --cp_method ring (RingAttention). No attention dropout (train.py's models have
+    none)."""
+    if dropout_p:
+        raise ValueError(f"ring attention has no attention dropout (the model's: {dropout_p}): use allgather or "
+                         "ulysses")
+    return RingAttention.apply(q, k, v, group)
 
 
 ATTENTION = {"allgather": allgather_attention, "ulysses": ulysses_attention, "ring": ring_attention}

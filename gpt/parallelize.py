@@ -57,6 +57,9 @@ def refused_layout(args: argparse.Namespace) -> str | None:
                 "run in its forward, not in its recomputation, which selective checkpointing refuses: use full")
     if args.pp_schedule and args.pp == 1:
         return "--pp_schedule is for --pp above 1"
+    if args.cp_method and args.cp == 1:
+        return "--cp_method is for --cp above 1"
+    args.cp_method = args.cp_method or ("allgather" if args.cp > 1 else None)  # None: no cp, in the checkpoint
     args.pp_schedule = args.pp_schedule or ("1F1B" if args.pp > 1 else None)  # None: no pipeline, in the checkpoint
     if args.pp > 1 and args.parallel == "ddp":
         return f"--pp {args.pp} needs --parallel fsdp or hsdp (pp alone: --parallel fsdp --pp N on N ranks)"
@@ -100,9 +103,6 @@ def check_layout(args: argparse.Namespace, config: GPTConfig, world_size: int) -
     if args.cp > 1 and args.cp_method == "ulysses" and config.n_head % args.cp:  # each rank attends n_head / cp heads
         raise ValueError(f"--cp {args.cp} --cp_method ulysses: {args.cp} does not divide the model's n_head, "
                          f"{config.n_head} (each rank attends with n_head / cp heads): use allgather or ring")
-    if args.cp > 1 and args.cp_method == "ring" and config.dropout:
-        raise ValueError(f"--cp {args.cp} --cp_method ring: the ring has no attention dropout, and the model's is "
-                         f"{config.dropout}: use allgather or ulysses")
     dp = world_size // (args.pp * args.tp * args.cp)
     if args.parallel == "hsdp" and dp % shard_size(args, world_size):
         raise ValueError(f"--shard_size {shard_size(args, world_size)} does not divide the {dp} data-parallel ranks")

@@ -26,8 +26,10 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.pipelining._utils import InferenceMode, _StageMeta, extract_tensor_metas
 from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import context
 import parallelize
 import pipeline
 from model import CONFIGS, GPT, GPTConfig
@@ -85,6 +87,31 @@ class Collectives(TorchDispatchMode):
         return out
 
 
+class Saved(torch.autograd.graph.saved_tensors_hooks):
+    """The bytes autograd keeps for the backward inside each block's forward (its activations): each storage once
+    (q, k and v are views of one), the block's parameters' not counted (they are held anyway; under FSDP, gathered
+    for the forward and the backward, their storages are those the block holds when it saves them)."""
+
+    def __init__(self, blocks: list[torch.nn.Module]) -> None:
+        super().__init__(self.pack, lambda t: t)
+        self.blocks, self.block, self.storages = blocks, None, defaultdict(dict)
+        for i, block in enumerate(blocks):
+            block.register_forward_pre_hook(lambda *_, i=i: setattr(self, "block", i))
+            block.register_forward_hook(lambda *_: setattr(self, "block", None))
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.block is not None:
+            storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+            weights = {StorageWeakRef((p.to_local() if isinstance(p, DTensor) else p).untyped_storage())
+                       for p in self.blocks[self.block].parameters()}
+            if StorageWeakRef(storage) not in weights:
+                self.storages[self.block][StorageWeakRef(storage)] = storage.nbytes()
+        return t
+
+    def per_block(self) -> list[int]:
+        return [sum(self.storages[i].values()) for i in sorted(self.storages)]
+
+
 def local(t: torch.Tensor) -> int:
     """Bytes of this rank's shard of t."""
     t = t.to_local() if isinstance(t, DTensor) else t
@@ -119,11 +146,19 @@ def one_step(args: argparse.Namespace, world_size: int, device: torch.device, fa
         group, counted.sizes[name] = experts.get_group(name).group_name, experts[name].size()
         known = counted.dims.get(group)  # a group two dimensions' (the world's, fsdp 2 with ep 2): both names
         counted.dims[group] = name if known in (None, name) else f"{known} = {name}"
+    shard = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor)) if mesh is not None else None
+    if shard is not None and "shard_cp" in shard.mesh_dim_names:  # FSDP's mesh under --cp: shard and cp folded
+        group, counted.sizes["shard_cp"] = shard.get_group("shard_cp").group_name, shard["shard_cp"].size()
+        known = counted.dims.get(group)  # cp's own group where shard is 1: both names
+        counted.dims[group] = "shard_cp" if known in (None, "world", "shard_cp") else f"shard_cp = {known}"
     if isinstance(model, pipeline.Pipeline) and model.tie_group is not None:  # the tied matrix's pair of ranks
         counted.dims[model.tie_group.group_name] = "tied"
     if isinstance(model, pipeline.Pipeline):
         static_shapes(model, args, fake)
-    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(), counted:
+    saved = Saved([block for part in getattr(model, "parts", [model])  # a stage's blocks: a ModuleDict
+                   for block in (part.blocks.values() if isinstance(part.blocks, torch.nn.ModuleDict)
+                                 else part.blocks)])
+    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(), counted, saved:
         x, y = torch.randint(args.vocab_size, (2, args.batch_size * args.grad_accum, args.seq_len), device=device)
         if isinstance(model, pipeline.Pipeline):
             model.step(x, y)
@@ -141,7 +176,8 @@ def one_step(args: argparse.Namespace, world_size: int, device: torch.device, fa
                            for kind, (_, total) in kinds.items())) for dim, kinds in sent.items()}
     experts = sum(local(p) for layer in layers for p in layer.experts.parameters())  # among the parameters held
     return {"mesh": dict(counted.sizes), "held": bytes_held, "sent": sent, "wire": wire, "flops_per_token": flops,
-            "moe_layers": len(layers), "experts": experts}
+            "moe_layers": len(layers), "experts": experts, "n_layer": config.n_layer,
+            "activations": [n // args.grad_accum for n in saved.per_block()]}  # one micro-batch's, per block
 
 
 def static_shapes(pipe: pipeline.Pipeline, args: argparse.Namespace, fake: bool) -> None:
@@ -177,6 +213,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pp", type=int, default=1, help="pipeline stages, outermost, as train.py's")
     p.add_argument("--ep", type=int, default=1, help="expert parallel ranks, taken from the data-parallel ones, as "
                                                       "train.py's")
+    p.add_argument("--cp", type=int, default=1, help="context parallel ranks, next to shard, as train.py's")
+    p.add_argument("--cp_method", choices=context.METHODS, help="as train.py's (default allgather)")
     p.add_argument("--pp_schedule", choices=pipeline.SCHEDULES, help="as train.py's (default 1F1B)")
     p.add_argument("--activation_checkpoint", choices=["none", "full", "selective"], default="none",
                    help="as train.py's: what a block's recomputed forward sends is counted")
@@ -189,10 +227,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--every_rank", action="store_true", help="simulate each rank in turn, not only rank 0")
     p.add_argument("--json", action="store_true", help="one JSON list of the ranks' figures, for tests")
     args = p.parse_args(argv)
-    for name in ("shard_size", "tp", "pp", "ep", "grad_accum", "batch_size", "seq_len", "vocab_size", "ranks"):
+    for name in ("shard_size", "tp", "pp", "ep", "cp", "grad_accum", "batch_size", "seq_len", "vocab_size", "ranks"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
-    args.compile, args.seed, args.cp = False, 0, 1  # what parallelize.py reads of train.py's (--cp: not yet counted)
+    args.compile, args.seed = False, 0  # what parallelize.py reads of train.py's
     refused = parallelize.refused_layout(args)  # what train.py refuses
     if refused:
         p.error(refused)
@@ -218,7 +256,9 @@ def size(n: float) -> str:
 
 def report(args: argparse.Namespace, world_size: int, figures: dict, simulated: bool) -> str:
     dims = figures["mesh"]
-    mesh = " × ".join(f"{name} {n}" for name, n in dims.items() if name not in ("expert_shard", "ep"))
+    mesh = " × ".join(f"{name} {n}" for name, n in dims.items() if name not in ("expert_shard", "ep", "shard_cp"))
+    if "shard_cp" in dims:  # FSDP's mesh: shard and cp folded in one
+        mesh += f"; FSDP shards over shard × cp, shard_cp {dims['shard_cp']}"
     if "ep" in dims:  # the experts' mesh: the shard dimension split in two
         mesh += f"; the experts': shard {dims['shard']} = expert_shard {dims['expert_shard']} × ep {dims['ep']}"
     width = max(24, *(len(f"{dim} {kind}") for dim, kinds in figures["sent"].items() for kind in kinds))
@@ -227,6 +267,7 @@ def report(args: argparse.Namespace, world_size: int, figures: dict, simulated: 
     lines = [f"{args.model} | {args.parallel} on {world_size:,} rank{'s' if world_size > 1 else ''} ({mesh}) | "
              f"{args.precision} | "
              f"{args.batch_size} × {args.seq_len} tokens per data-parallel rank"
+             f"{f' ({args.seq_len // args.cp:,} of each on each cp rank)' if args.cp > 1 else ''}"
              f"{f' and micro-batch, {args.grad_accum} of them' if args.grad_accum > 1 else ''} | "
              f"{'simulated' if simulated else 'counted in a real run'}",
              "held by rank 0: " + " | ".join(f"{k} {size(v)}{experts if k == 'parameters' else ''}"
@@ -237,10 +278,22 @@ def report(args: argparse.Namespace, world_size: int, figures: dict, simulated: 
             lines.append(f"  {dim + ' ' + kind:<{width}}{count:>6}{size(total):>15}"
                          f"{size(total * WIRE[kind]({**dims, **PAIRS}.get(dim, world_size))):>17}")
     layers = figures["moe_layers"]
-    routed = sum(kinds.get("all-to-all", [0, 0])[1] for kinds in figures["sent"].values())  # ep's alone send them
+    routed = layers and sum(kinds.get("all-to-all", [0, 0])[1] for kinds in figures["sent"].values())  # ep's alone
     if routed:  # its counts, the tokens there and back, and their gradients the other way: 5 a layer
         lines.append(f"per MoE layer ({layers}, routed evenly): all-to-all {size(routed / layers)} whole tensors, "
                      f"each rank sends {size(routed / layers * WIRE['all-to-all'](dims['ep']))}")
+    if "cp" in dims and "cp" not in figures["sent"]:  # cp's group is FSDP's too
+        lines.append("cp's group is FSDP's too (shard 1): its collectives are counted with FSDP's, above")
+    elif "cp" in dims:  # the attention's collectives, per block (under activation checkpointing, its forward's twice)
+        per = ", ".join(f"{kind} {count / figures['n_layer']:g} × {size(total / count)}"
+                        for kind, (count, total) in figures["sent"]["cp"].items())
+        lines.append(f"per block on cp ({args.cp_method}): {per}; each rank sends "
+                     f"{size(figures['wire']['cp'] / figures['n_layer'])}")
+    blocks = figures["activations"]
+    if blocks:
+        lines.append(f"activations a block keeps for its backward, one micro-batch: {size(max(blocks))}"
+                     f"{'' if min(blocks) == max(blocks) else f' (the least: {size(min(blocks))})'}, "
+                     f"{size(sum(blocks))} over this rank's {len(blocks)} blocks")
     if layers:
         lines.append(f"training FLOPs per token: {figures['flops_per_token']:,} (6 per active parameter, top_k of "
                      f"the experts, and attention's)")

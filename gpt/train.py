@@ -89,8 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="ddp: a replica per rank (at one rank, the model alone: no DDP);\n"
                         "fsdp: every block sharded over all ranks;\n"
                         "hsdp: sharded within groups of --shard_size ranks, replicated across them")
-    p.add_argument("--shard_size", type=int, help="hsdp: data-parallel ranks per shard group, a tp group counting "
-                                                    "once\n(default: a node's ranks / --tp)")
+    p.add_argument("--shard_size", type=int, help="hsdp: data-parallel ranks per shard group, a tp or cp group "
+                                                    "counting once\n(default: a node's ranks / (--tp × --cp))")
     p.add_argument("--tp", type=int, default=1, help="fsdp, hsdp: tensor parallel over groups of this many "
                                                       "neighbouring ranks,\nwhich read the same batch (1: none)")
     p.add_argument("--pp", type=int, default=1, help="fsdp, hsdp: pipeline parallel over this many ranks (far "
@@ -101,16 +101,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cp", type=int, default=1, help="fsdp, hsdp: context parallel: each sequence split over groups "
                                                       "of this many ranks,\nwhich read the same batch and shard the "
                                                       "weights with FSDP's (1: none)")
-    p.add_argument("--cp_method", choices=context.METHODS, default="allgather",
-                   help="--cp's attention: allgather, each rank's k and v gathered from the others;\nulysses, "
+    p.add_argument("--cp_method", choices=context.METHODS,
+                   help="--cp's attention: allgather (the default), each rank's k and v gathered from the others;\n"
+                        "ulysses, "
                         "all-to-alls that trade the sequence split for a head split;\nring, k and v passed from "
                         "rank to rank")
     p.add_argument("--pp_schedule", choices=pipeline.SCHEDULES,
                    help="--pp's schedule, torch.distributed.pipelining's (default: 1F1B); Interleaved1F1B,\n"
                         "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble and DualPipeV hold two stages per rank")
     p.add_argument("--max_steps", type=int, default=300, help="optimizer steps in the whole run")
-    p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per micro-step (a tp group or a "
-                                                              "pipeline counting once)")
+    p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per micro-step (a tp group, a cp "
+                                                              "group or a pipeline counting once)")
     p.add_argument("--grad_accum", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--seq_len", type=int, default=64, help="tokens per sequence")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate, after warmup")
@@ -304,8 +305,9 @@ def resume(args: argparse.Namespace, checkpoints: Checkpoints, parts: list[torch
         world_size = dist.get_world_size()
         run = {**{f"--{name}": getattr(args, name) for name in RUN}, "ranks": world_size,
                "global batch": args.batch_size * args.grad_accum * world_size // (args.tp * args.pp * args.cp)}
-        changed = [f"{name} {value} (was {was})" for name, value in run.items() if (was := manifest["run"].get(
-            name, value)) != value and (name != "--pp_schedule" or None not in (was, value))]  # --pp says that
+        changed = [f"{name} {value} (was {was})" for name, value in run.items()  # --pp, --cp say their methods'
+                   if (was := manifest["run"].get(name, value)) != value
+                   and (name not in ("--pp_schedule", "--cp_method") or None not in (was, value))]
         schedule = [name for name in ("lr", "min_lr", "warmup_steps", "max_steps")
                     if manifest["run"].get(f"--{name}", getattr(args, name)) != getattr(args, name)]
         old = argparse.Namespace(**{**vars(args), **{n: manifest["run"][f"--{n}"] for n in schedule}})

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from harness import torchrun_in_process
-from test_gpt import ARGV, FOLDERS, SPLITS, assert_same_training, run_split, strict_records
+from test_gpt import ARGV, FOLDERS, SPLITS, assert_same_training, import_gpt, run_split, strict_records
 
-from gpt.context import positions
+from gpt.context import positions, ring_attention
 from gpt.model import GPT
 
 # (--parallel, ranks, --batch_size, --grad_accum, more): 12 sequences of 32 tokens a step, as SPLITS; each method at
@@ -97,26 +97,40 @@ def test_a_checkpoint_at_cp_2_resumes_at_cp_4_and_in_one_process(tmp_path):
                 assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=0), (name, key, mine, theirs)
 
 
+@pytest.mark.parametrize(("argv", "error"), [
+    (["--parallel", "ddp", "--cp", "2"], "--cp 2 needs --parallel fsdp or hsdp"),
+    (["--parallel", "fsdp", "--cp", "0"], "--tp, --pp, --ep and --cp must be at least 1"),
+    (["--parallel", "fsdp", "--cp", "2", "--tp", "2"], "--cp 2 does not yet go with --tp, --pp, --ep or --compile"),
+    (["--parallel", "fsdp", "--cp_method", "ring"], "--cp_method is for --cp above 1"),
+], ids=["ddp", "zero", "tp", "method"])
+def test_cp_options_that_do_not_go_together_are_refused_in_one_line(argv, error, capsys):
+    """The options alone decide: argparse's one line and exit 2, before any process group (train.py's own
+    parse_args, in this process)."""
+    with pytest.raises(SystemExit) as stopped:
+        import_gpt().parse_args(argv)
+    said = capsys.readouterr().err.splitlines()[-1]
+    assert stopped.value.code == 2 and said.split(": error: ", 1)[1].startswith(error), said
+
+
 @pytest.mark.parametrize(("nproc", "argv", "error"), [
-    (2, ["--parallel", "ddp", "--cp", "2"], "--cp 2 needs --parallel fsdp or hsdp"),
-    (2, ["--parallel", "fsdp", "--cp", "0"], "--tp, --pp, --ep and --cp must be at least 1"),
-    (2, ["--parallel", "fsdp", "--cp", "2", "--tp", "2"], "--cp 2 does not yet go with --tp, --pp, --ep or --compile"),
     (2, ["--parallel", "fsdp", "--cp", "2", "--seq_len", "30"], "--cp 2: 2 × 2 does not divide --seq_len 30"),
     (3, ["--parallel", "fsdp", "--cp", "2"], "--cp 2 × --pp 1 × --tp 1 does not divide the 3 ranks"),
     (2, ["--parallel", "fsdp", "--cp", "2", "--model", "moe-tiny"], "--cp 2: a mixture of experts does not yet"),
     (4, ["--parallel", "fsdp", "--cp", "4", "--cp_method", "ulysses"], "--cp 4 --cp_method ulysses: 4 does not divide "
                                                                         "the model's n_head, 2"),
-], ids=["ddp", "zero", "tp", "seq_len", "ranks", "moe", "heads"])
+], ids=["seq_len", "ranks", "moe", "heads"])
 def test_a_cp_degree_that_does_not_fit_is_refused_in_one_line(nproc, argv, error, tmp_path):
-    """The layout's options alone: argparse's error (exit 2, from each rank); with the model's shape or the ranks:
-    the job's one error line (exit 1). Nothing written."""
+    """With the model's shape or the ranks: the job's one error line (exit 1), nothing written."""
     result = torchrun_in_process(nproc, "gpt/train.py", *argv, "--max_steps", "1", cwd=tmp_path, timeout=60)
     assert "Traceback" not in result.stderr, result.stderr
-    if result.codes == [2] * nproc:
-        assert f"train.py: error: {error}" in result.stderr, result.stderr
-    else:
-        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-        assert result.codes == [1] * nproc and len(errors) == 1 and errors[0].startswith(f"error: {error}"), \
-            result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.codes == [1] * nproc and len(errors) == 1 and errors[0].startswith(f"error: {error}"), \
+        result.stderr
     assert not list(tmp_path.iterdir())
 
+
+def test_the_ring_refuses_attention_dropout():
+    """train.py's models have none; a copy of gpt/ that adds it gets one line from the ring, not a silent drop."""
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="ring attention has no attention dropout"):
+        ring_attention(None, q, q, q, 0.1)

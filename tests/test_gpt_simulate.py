@@ -311,11 +311,18 @@ def test_a_mixture_of_experts_is_simulated_as_a_real_run_holds_and_sends_it(layo
     routes its share of the sequence), each rank's experts' bytes and all-to-alls equal the shapes'."""
     argv = ["--model", "moe-mini", *MOE, *layout]
     figures = simulated(4, *argv, "--every_rank")
+    config = GPTConfig(vocab_size=64, seq_len=32, **CONFIGS["moe-mini"])
     if "--pp" in layout:  # one real run: tp's collectives are counted for real by the tests above
         real = torchrun_in_process(4, SIMULATE, *argv, "--json", timeout=120)
         assert real.codes == [0] * 4, real.stderr
-        assert json.loads(real.stdouts[0]) == figures
-    config = GPTConfig(vocab_size=64, seq_len=32, **CONFIGS["moe-mini"])
+        counted = json.loads(real.stdouts[0])
+        for rank, (mine, theirs) in enumerate(zip(counted, figures, strict=True)):
+            # the one difference: a real run's experts take torch._grouped_mm, which keeps its int32 offsets for the
+            # backward (one per local expert, for each of the 3 projections); the fake tensors', a loop, none
+            blocks = range(rank // 2 * 2, rank // 2 * 2 + 2)  # its stage's (pp outermost: ranks 0 and 1, stage 0)
+            offsets = [3 * 4 * config.n_expert // 2 if block >= config.first_dense else 0 for block in blocks]
+            assert mine.pop("activations") == [n + o for n, o in zip(theirs["activations"], offsets, strict=True)]
+        assert counted == [{k: v for k, v in theirs.items() if k != "activations"} for theirs in figures]
     pp = "--pp" in layout
     for rank, mine in enumerate(figures):
         layers = mine["moe_layers"]  # pp: its stage's, 1 (after the dense first block) or 2
@@ -350,3 +357,56 @@ def test_qwen3_30b_a3b_at_1024_ranks_holds_and_sends_what_its_shapes_say():
     assert figures["sent"]["ep"]["all-to-all"] == sent == [5 * 48, 48 * (8 * 128 + 4 * 4096 * 8 * 2048 * 2)]
     with torch.device("meta"):
         assert figures["flops_per_token"] == GPT(config).flops_per_token()
+
+
+CP = ["--model", "llama-tiny", "--vocab_size", "64", "--seq_len", "32", "--batch_size", "2", "--parallel", "fsdp"]
+
+
+@pytest.mark.parametrize("method", ["allgather", "ulysses", "ring"])
+def test_context_parallel_is_simulated_as_a_real_run_counts_it(method):
+    """shard 2 × cp 2 on 4 real ranks and simulated, each method: every rank's bytes held, its collectives (FSDP's
+    on shard_cp, attention's on cp: the all-gathers and reduce-scatters, the all-to-alls, the ring's sends and
+    receives) and the activations each block keeps for its backward, equal."""
+    argv = [*CP, "--cp", "2", "--cp_method", method]
+    real = torchrun_in_process(4, SIMULATE, *argv, "--json", timeout=120)
+    assert real.codes == [0] * 4, real.stderr
+    counted = json.loads(real.stdouts[0])
+    assert set(counted[0]["sent"]) == {"shard_cp", "cp"} and counted[0]["mesh"] == {"shard": 2, "cp": 2, "shard_cp": 4}
+    assert counted == simulated(4, *argv, "--every_rank")
+    params = llama_bytes(GPTConfig(vocab_size=64, seq_len=32, **CONFIGS["llama-tiny"]), {"shard": 4})
+    assert counted[0]["held"]["parameters"] == params  # the weights sharded over shard × cp, not replicated over cp
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_each_cp_methods_bytes_per_block_are_its_formula(cp):
+    """llama-tiny (4 q heads, 2 k and v heads of 16), 2 sequences of 32 tokens on 8 simulated ranks: per block, in
+    fp32, with T = 32 / cp tokens a rank and kv(h) = 2 × h × T × 16 × 4 bytes, a tensor of h heads of a rank's
+    tokens. allgather: k and v gathered (cp × kv(2) each), their gradients reduce-scattered back; ulysses: q, k, v
+    and the output each through an all-to-all, forward and backward (k and v repeated to 4 heads where cp does not
+    divide 2); ring: k and v sent cp - 1 times forward, again in the backward, beside the sums of their gradients,
+which go one step more (home): 2 (cp - 1) + 2 (cp - 1) + 2 cp sends, each kv(2)."""
+    config = CONFIGS["llama-tiny"]
+    layers, heads, kv_heads, dim = config["n_layer"], config["n_head"], config["n_kv_head"], 16
+
+    def part(h: int) -> int:
+        return 2 * h * (32 // cp) * dim * 4
+    kv = kv_heads if kv_heads % cp == 0 else heads
+    gathered = [2, 2 * cp * part(kv_heads)]
+    expected = {"allgather": {"all-gather": gathered, "reduce-scatter": gathered},
+                "ulysses": {"all-to-all": [8, 4 * part(heads) + 4 * part(kv)]},
+                "ring": {"send": [6 * cp - 4, (6 * cp - 4) * part(kv_heads)],
+                         "recv": [6 * cp - 4, (6 * cp - 4) * part(kv_heads)]}}
+    for method, per_block in expected.items():
+        (figures,) = simulated(8, *CP, "--cp", str(cp), "--cp_method", method)
+        assert figures["sent"]["cp"] == {kind: [layers * n for n in pair] for kind, pair in per_block.items()}, method
+
+
+def test_a_ranks_activations_fall_with_cp():
+    """The activations a rank keeps for its backward (measured: the bytes autograd saves inside each block, each
+    storage once), for 2 sequences of 64 tokens: at cp 4 under half of one rank's at cp 1, whichever the method, so
+    a sequence whose activations exceed what one rank may hold (here, half of them) trains under cp 4."""
+    argv = [*CP[:5], "64", *CP[6:]]
+    whole = sum(simulated(4, *argv)[0]["activations"])
+    for method in ("allgather", "ulysses", "ring"):
+        by_cp = [sum(simulated(4, *argv, "--cp", str(cp), "--cp_method", method)[0]["activations"]) for cp in (2, 4)]
+        assert whole > by_cp[0] > by_cp[1] and by_cp[1] < whole / 2, (method, whole, by_cp)
