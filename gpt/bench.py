@@ -1,5 +1,5 @@
 """Tokens per second of train.py at several world sizes on one machine, and the scaling efficiency; or instead
-what saving, the stop agreement, tp, pp or (--host) a step's host work costs; or (--layouts) layouts side by side.
+what saving, the stop agreement, tp, cp, pp or (--host) a step's host work costs; or (--layouts) layouts side by side.
 
     python gpt/bench.py                                  # 1, 2 and 4 ranks of the tiny model on CPUs
     python gpt/bench.py --world_sizes 1 8 -- --model gpt2 --data DIR --seq_len 1024 --precision bf16
@@ -7,6 +7,7 @@ what saving, the stop agreement, tp, pp or (--host) a step's host work costs; or
     python gpt/bench.py --world_sizes 1 --resume            # a resumed run against a fresh one
     python gpt/bench.py --world_sizes 2 4 --stop_agreement  # what agreeing on a stop costs a step
     python gpt/bench.py --world_sizes 4 --tp 1 2 4          # fsdp 4, fsdp 2 × tp 2, tp 4: tokens/s and bytes
+    python gpt/bench.py --world_sizes 4 --cp 1 2 4          # each cp method: tokens/s, memory, the ring's wait
     python gpt/bench.py --world_sizes 2 --pp GPipe 1F1B ZBVZeroBubble -- --grad_accum 8  # the bubble, measured
     python gpt/bench.py --host                           # what a step costs the host, per layout
     python gpt/bench.py --world_sizes 1 --layouts ddp fsdp --repeats 6  # fsdp's tokens/s over ddp's, at 1 rank
@@ -35,6 +36,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import context
 import pipeline
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -183,6 +185,39 @@ def pipelined(world_size: int, schedules: list[str], train_args: list[str], repe
               f"{' '.join(f'{s}:{held[s]}' for s in sorted(held, key=int))}", flush=True)
 
 
+# --cp: one sequence of llama-mini's (8 heads, for ulysses at cp up to 8) a cp group, long enough that attention
+# counts; train.py's arguments after -- come later and win
+CP_SHAPE = ["--model", "llama-mini", "--seq_len", "1024", "--batch_size", "1", "--max_steps", "10", "--log_every", "2"]
+
+
+def context_parallel(world_size: int, degrees: list[int], train_args: list[str], repeats: int, cores: int) -> None:
+    """fsdp at one world size with each --cp degree and each method (cp 1: none), one sequence a cp group a step:
+    each rank holds seq_len / cp of its tokens. The tokens/s, the largest rank's peak memory (on a CPU its resident
+    set, torch's runtime included; on CUDA the most allocated), and under the ring the largest share of the time a
+    rank waited for k and v (train.py's cp_wait): medians of the log intervals but the first, then of the runs."""
+    bad = [cp for cp in degrees if cp < 1 or world_size % cp]
+    if bad:
+        raise SystemExit(f"error: --cp {bad[0]} does not divide the {world_size} ranks")
+    threads = 1 if torch.cuda.is_available() else max(1, cores // world_size)
+    print(f"{'layout':>24} {'tokens/s (median)':>18} {'min':>10} {'max':>10} {'peak memory':>12} {'cp wait':>8}")
+    for cp in degrees:
+        for method in context.METHODS if cp > 1 else [None]:
+            layout = ["--parallel", "fsdp", *(["--cp", str(cp), "--cp_method", method] if method else [])]
+            speeds, peaks, waits = [], [], []
+            for _ in range(repeats):
+                with tempfile.TemporaryDirectory() as out_dir:
+                    speeds.append(statistics.median(run(world_size, [*CP_SHAPE, *train_args, *layout], threads,
+                                                        out_dir)))
+                    with open(os.path.join(out_dir, "metrics.jsonl")) as file:
+                        logged = [r for r in map(json.loads, file) if "tokens_per_s" in r][1:]
+                peaks.append(max(r.get("peak_allocated_gib", r.get("peak_rss_gib", 0)) for r in logged))
+                waits.extend(r["cp_wait"] for r in logged if "cp_wait" in r)
+            name = f"fsdp {world_size // cp} × cp {cp} {method}" if method else f"fsdp {world_size}"
+            wait = f"{statistics.median(waits):.0%}" if waits else "-"
+            print(f"{name:>24} {statistics.median(speeds):>18,.0f} {min(speeds):>10,.0f} {max(speeds):>10,.0f} "
+                  f"{statistics.median(peaks):>8.2f} GiB {wait:>8}", flush=True)
+
+
 # --host: a model too small to compute anything (tiny, 8 tokens, one sequence): a step's time is what every step
 # pays on the host (the launch, dispatch and hooks, the optimizer, clipping, data and bookkeeping), per layout
 HOST_SHAPE = ["--model", "tiny", "--seq_len", "8", "--batch_size", "1"]
@@ -253,6 +288,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, nargs="+", help="instead: fsdp with each of these tp degrees at the last of "
                                                           "--world_sizes,\non one global batch, and what each rank "
                                                           "holds and sends (simulate.py)")
+    parser.add_argument("--cp", type=int, nargs="+", help="instead: fsdp with each of these cp degrees (each method) "
+                        "at the last of --world_sizes,\none sequence of llama-mini's 1,024 tokens a cp group a step")
     parser.add_argument("--pp", nargs="+", choices=pipeline.SCHEDULES, help="instead: --pp at the last of "
                         "--world_sizes with each of these schedules:\nthe time each stage waits, against the "
                         "formula, and the micro-batches it holds")
@@ -269,9 +306,9 @@ def main() -> None:
     args = parser.parse_args()
     if any(n < 1 for n in args.world_sizes) or args.repeats < 1 or (args.save_every or 1) < 1:
         parser.error("--world_sizes, --repeats and --save_every must be at least 1")
-    if args.layouts and (len(set(args.layouts)) < len(args.layouts) or args.host or args.tp or args.pp or
+    if args.layouts and (len(set(args.layouts)) < len(args.layouts) or args.host or args.tp or args.cp or args.pp or
                          args.stop_agreement or args.save_every or args.resume):
-        parser.error("--layouts names each layout once, and runs alone (not with --host, --tp, --pp, "
+        parser.error("--layouts names each layout once, and runs alone (not with --host, --tp, --cp, --pp, "
                      "--stop_agreement, --save_every or --resume)")
     if args.pp and args.world_sizes[-1] < 2:
         parser.error("--pp runs one pipeline over the last of --world_sizes: it must be 2 or more")
@@ -296,6 +333,10 @@ def main() -> None:
         print(f"train.py {' '.join(DEFAULTS + train_args)} on {args.world_sizes[-1]} ranks: --model mini and "
               "--grad_accum 8 unless given, --parallel fsdp --pp N (one pipeline)")
         return pipelined(args.world_sizes[-1], args.pp, train_args, args.repeats, cores, args.timelines)
+    if args.cp:
+        print(f"train.py {' '.join(DEFAULTS + CP_SHAPE + train_args)} --parallel fsdp --cp N --cp_method M on "
+              f"{args.world_sizes[-1]} ranks, {args.repeats} runs each")
+        return context_parallel(args.world_sizes[-1], args.cp, train_args, args.repeats, cores)
     if args.tp:
         print(f"train.py {' '.join(DEFAULTS + train_args)} on {args.world_sizes[-1]} ranks: --model mini unless "
               "given, --parallel fsdp --tp T, T × --batch_size per tp group (one global batch)")

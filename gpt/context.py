@@ -18,6 +18,7 @@ it holds; the N partial results merged by their log-sum-exp. Its backward is wri
 attention's: nothing of the sequence's length squared is kept for it.
 """
 import functools
+import time
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,9 @@ METHODS = ("allgather", "ulysses", "ring")
 # torch 2.13 names them all_gather_single and reduce_scatter_single, and warns that the older names will go
 ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+# Seconds this rank has waited in ring_pass for k and v (the ring's sends and receives), since train.py last read
+# it: its log's cp_wait. The host's time: on CUDA, wait() only makes the stream wait (a profiler sees the rest).
+WAITED = [0.0]
 
 
 def positions(seq_len: int, cp: int, rank: int, device: torch.device) -> torch.Tensor:
@@ -124,8 +128,10 @@ def ring_pass(tensors: tuple[torch.Tensor, ...], group: dist.ProcessGroup) -> tu
     outs = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors)
     ops = [op for t, out in zip(tensors, outs, strict=True)
            for op in (dist.P2POp(dist.isend, t.contiguous(), to, group), dist.P2POp(dist.irecv, out, source, group))]
+    start = time.perf_counter()
     for work in dist.batch_isend_irecv(ops):
         work.wait()
+    WAITED[0] += time.perf_counter() - start
     return outs
 
 
@@ -221,7 +227,12 @@ ATTENTION = {"allgather": allgather_attention, "ulysses": ulysses_attention, "ri
 
 
 def context_parallel(model: nn.Module, group: dist.ProcessGroup, method: str) -> None:
-    """--cp: the model's inputs cut to this rank's tokens, and every block's attention the method's."""
-    model.register_forward_pre_hook(functools.partial(split_sequences, group), with_kwargs=True)
-    for block in model.blocks:
+    """--cp: the model's inputs cut to this rank's tokens, and every block's attention the method's. A pipeline's
+    stage (its blocks a ModuleDict) takes the cp group instead: its Pipeline cuts each batch, and each stage makes
+    its tokens' positions (gpt/pipeline.py)."""
+    if isinstance(model.blocks, nn.ModuleDict):
+        model.cp_group = group
+    else:
+        model.register_forward_pre_hook(functools.partial(split_sequences, group), with_kwargs=True)
+    for block in getattr(model.blocks, "values", lambda: model.blocks)():
         block.attn.attend = functools.partial(ATTENTION[method], group)

@@ -48,8 +48,8 @@ def refused_layout(args: argparse.Namespace) -> str | None:
         return "--tp, --pp, --ep and --cp must be at least 1"
     if args.cp > 1 and args.parallel == "ddp":  # the cp ranks shard the weights: FSDP's groups
         return f"--cp {args.cp} needs --parallel fsdp or hsdp (cp alone: --parallel fsdp --cp N on N ranks)"
-    if args.cp > 1 and (args.tp > 1 or args.pp > 1 or args.ep > 1 or args.compile):
-        return f"--cp {args.cp} does not yet go with --tp, --pp, --ep or --compile (issue 60: fsdp and hsdp first)"
+    if args.cp > 1 and (args.ep > 1 or args.compile):
+        return f"--cp {args.cp} does not yet go with --ep or --compile (issue 60: fsdp, hsdp, tp and pp first)"
     if args.ep > 1 and args.parallel == "ddp":  # the experts' shards need FSDP's groups of what ep leaves
         return f"--ep {args.ep} needs --parallel fsdp or hsdp (ep alone: --parallel fsdp --ep N on N ranks)"
     if args.ep > 1 and args.activation_checkpoint == "selective":  # torch 2.13, measured
@@ -100,9 +100,10 @@ def check_layout(args: argparse.Namespace, config: GPTConfig, world_size: int) -
                          "two of 2·cp equal chunks)")
     if args.cp > 1 and config.n_expert:
         raise ValueError(f"--cp {args.cp}: a mixture of experts does not yet train under --cp (issue 60)")
-    if args.cp > 1 and args.cp_method == "ulysses" and config.n_head % args.cp:  # each rank attends n_head / cp heads
-        raise ValueError(f"--cp {args.cp} --cp_method ulysses: {args.cp} does not divide the model's n_head, "
-                         f"{config.n_head} (each rank attends with n_head / cp heads): use allgather or ring")
+    if args.cp > 1 and args.cp_method == "ulysses" and config.n_head // args.tp % args.cp:  # n_head / tp / cp each
+        heads = f"n_head, {config.n_head}" if args.tp == 1 else f"n_head / tp, {config.n_head // args.tp}"
+        raise ValueError(f"--cp {args.cp} --cp_method ulysses: {args.cp} does not divide the model's {heads} (each "
+                         "rank attends with n_head / cp heads): use allgather or ring")
     dp = world_size // (args.pp * args.tp * args.cp)
     if args.parallel == "hsdp" and dp % shard_size(args, world_size):
         raise ValueError(f"--shard_size {shard_size(args, world_size)} does not divide the {dp} data-parallel ranks")
@@ -185,11 +186,12 @@ def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespac
     # Gradients reduced in fp32. In fp32, no param_dtype: FSDP would cast every forward's inputs to what they are.
     policy = MixedPrecisionPolicy(param_dtype=None if args.precision == "fp32" else DTYPES[args.precision],
                                   reduce_dtype=torch.float32)
-    dp_mesh = fsdp_mesh(mesh)
+    root = fold_cp(mesh)  # FSDP's and tp's: one root mesh, as FSDP asks of a tp DTensor it shards again
+    dp_mesh = root[tuple(name for name in root.mesh_dim_names if name not in ("pp", "tp"))]
     experts_mesh = expert_mesh(mesh, args.ep) if args.ep > 1 else None
     for part in parts:
         if "tp" in mesh.mesh_dim_names:
-            tensor_parallel(part, mesh["tp"])  # FSDP then shards each tp shard again, over the data-parallel ranks
+            tensor_parallel(part, root["tp"])  # FSDP then shards each tp shard again, over the data-parallel ranks
         if experts_mesh is not None:
             expert_parallel(part, experts_mesh, policy)
         if "cp" in mesh.mesh_dim_names:
@@ -225,19 +227,18 @@ def parallelize_gpt(model: GPT, mesh: DeviceMesh | None, args: argparse.Namespac
     return model
 
 
-def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh FSDP shards over: make_mesh()'s data-parallel dimensions, shard (or replicate and shard), with a cp
-    dimension folded into shard (one dimension, shard_cp: the cp ranks hold shards of the weights too, as torchtitan
-    folds cp into dp_shard). A mesh of its own, of all ranks, as expert_mesh() makes: torch 2.13 warns that slicing
-    a flattened dimension out of the root mesh will go."""
+def fold_cp(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP shards over and tp splits over: make_mesh()'s, with a cp dimension folded into shard (one
+    dimension, shard_cp: the cp ranks hold shards of the weights too, as torchtitan folds cp into dp_shard). A mesh
+    of its own, of all ranks, as expert_mesh() makes: torch 2.13 warns that slicing a flattened dimension out of
+    the root mesh will go. Without cp, the mesh itself."""
     names = mesh.mesh_dim_names
     if "cp" not in names:
-        return mesh[tuple(name for name in names if name not in ("pp", "tp"))]
+        return mesh
     at = names.index("shard")  # cp follows it
     shape = (*mesh.shape[:at], mesh.shape[at] * mesh.shape[at + 1], *mesh.shape[at + 2:])
-    folded = (*names[:at], "shard_cp", *names[at + 2:])
-    return DeviceMesh(mesh.device_type, mesh.mesh.reshape(shape), mesh_dim_names=folded)[
-        tuple(name for name in folded if name not in ("pp", "tp"))]
+    return DeviceMesh(mesh.device_type, mesh.mesh.reshape(shape),
+                      mesh_dim_names=(*names[:at], "shard_cp", *names[at + 2:]))
 
 
 def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+import context
 from model import GPT, GPTConfig, MoE, balancing_loss, rotary
 from optimizer import clip, grad_norm
 
@@ -91,6 +92,7 @@ class Stage(nn.Module):
     def __init__(self, model: GPT, blocks: range, first: bool, last: bool) -> None:
         super().__init__()
         self.first, self.last, self.config = first, last, model.config
+        self.cp_group = None  # --cp: context.context_parallel's
         if first:
             self.wte, self.wpe = model.wte, model.wpe
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
@@ -107,8 +109,11 @@ class Stage(nn.Module):
         mixture of experts in training sends `routing` along, (2, n_expert): the choices and the probabilities of
         the micro-batch's tokens for each expert, summed over the MoE layers so far, for the auxiliary loss the
         last stage adds (Pipeline.loss: it couples every layer's), its gradient sent back with x's."""
-        # every token's position, the whole sequence's (under tp, a stage's input holds 1/tp of it)
-        positions = torch.arange(self.config.seq_len, device=x.device)
+        # every token's position, the whole sequence's (under tp, a stage's input holds 1/tp of it); --cp: this cp
+        # rank's tokens' (the Pipeline cut the batch to them)
+        cp = self.cp_group
+        positions = torch.arange(self.config.seq_len, device=x.device) if cp is None else context.positions(
+            self.config.seq_len, cp.size(), cp.rank(), x.device)
         if self.first:
             x = self.wte(x) + self.wpe(positions) if self.wpe is not None else self.wte(x)
         rope = rotary(self.config, positions) if self.config.family == "llama" else None  # as GPT.embed
@@ -176,9 +181,11 @@ class Pipeline:
         self.by_stage = dict(zip(ids, parts, strict=True))
         self.holder = [holder(s, mesh["pp"].size(), args.pp_schedule) for s in range(count)]
         self.pp_rank = mesh["pp"].get_local_rank()
-        # what a stage sends the next: (batch, seq / tp, n_embd) in the compute dtype (FSDP's param_dtype)
-        tp_size = mesh["tp"].size() if "tp" in mesh.mesh_dim_names else 1
-        self.activation = ((args.batch_size, args.seq_len // tp_size, parts[0].config.n_embd), dtype, device)
+        # what a stage sends the next: (batch, seq / cp / tp, n_embd) in the compute dtype (FSDP's param_dtype)
+        tp_size, cp_size = (mesh[name].size() if name in mesh.mesh_dim_names else 1 for name in ("tp", "cp"))
+        self.activation = ((args.batch_size, args.seq_len // cp_size // tp_size, parts[0].config.n_embd), dtype,
+                           device)
+        self.cp_group = mesh["cp"].get_group() if cp_size > 1 else None
         group = mesh["pp"].get_group()
         from torch.distributed.pipelining import PipelineStage  # here: see schedule_class
         self.stages = [PipelineStage(part, i, count, device, group=group) for part, i in zip(parts, ids, strict=True)]
@@ -190,7 +197,7 @@ class Pipeline:
         for stage in self.stages:
             self.timed(stage)
         schedule = schedule_class(args.pp_schedule)
-        self.config, self.tokens = parts[0].config, args.batch_size * args.seq_len  # a micro-batch's
+        self.config, self.tokens = parts[0].config, args.batch_size * args.seq_len // cp_size  # a micro-batch's
         # a mixture of experts: this rank's stages' routing since the last optimizer step, and since the last log
         # line, as GPT.tally's (the model's layers that other ranks hold at 0), for parallelize.moe_step
         self.routing = self.interval = None
@@ -254,7 +261,16 @@ class Pipeline:
     def eval(self) -> None:
         self.train(False)
 
+    def cut(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """--cp: the whole sequences' ids and targets cut to this cp rank's tokens (context.positions)."""
+        cp = self.cp_group
+        if cp is None:
+            return x, y
+        where = context.positions(x.shape[1], cp.size(), cp.rank(), x.device)
+        return x[:, where], y[:, where]
+
     def inputs(self, x: torch.Tensor, y: torch.Tensor) -> tuple[tuple, torch.Tensor | None]:
+        x, y = self.cut(x, y)
         return ((x,) if self.first else ()), (y if self.last else None)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -323,7 +339,7 @@ class Pipeline:
         """The sum of the losses of (x, y)'s tokens whose target is not -100, on the last stage (None elsewhere):
         each micro-batch through the stages in turn, their outputs sent on (dist.send), nothing run alongside.
         Not the schedule's eval(): in torch 2.13 it runs the V-shaped schedules' backward actions, and fails."""
-        total, group = None, self.pp_group
+        (x, y), total, group = self.cut(x, y), None, self.pp_group
         for xs, ys in zip(x.split(self.activation[0][0]), y.split(self.activation[0][0]), strict=True):
             out = xs
             for s in range(self.count):

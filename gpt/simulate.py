@@ -146,18 +146,20 @@ def one_step(args: argparse.Namespace, world_size: int, device: torch.device, fa
         group, counted.sizes[name] = experts.get_group(name).group_name, experts[name].size()
         known = counted.dims.get(group)  # a group two dimensions' (the world's, fsdp 2 with ep 2): both names
         counted.dims[group] = name if known in (None, name) else f"{known} = {name}"
-    shard = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor)) if mesh is not None else None
-    if shard is not None and "shard_cp" in shard.mesh_dim_names:  # FSDP's mesh under --cp: shard and cp folded
-        group, counted.sizes["shard_cp"] = shard.get_group("shard_cp").group_name, shard["shard_cp"].size()
-        known = counted.dims.get(group)  # cp's own group where shard is 1: both names
-        counted.dims[group] = "shard_cp" if known in (None, "world", "shard_cp") else f"shard_cp = {known}"
+    spmd = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor)) if mesh is not None else None
+    if spmd is not None and "shard_cp" in spmd.mesh_dim_names:  # under --cp, FSDP's and tp's mesh: shard, cp folded
+        for name in spmd.mesh_dim_names:
+            group, counted.sizes[name] = spmd.get_group(name).group_name, spmd[name].size()
+            known = counted.dims.get(group)  # cp's own group where shard is 1: both names
+            counted.dims[group] = name if known in (None, "world", name) else f"{name} = {known}"
     if isinstance(model, pipeline.Pipeline) and model.tie_group is not None:  # the tied matrix's pair of ranks
         counted.dims[model.tie_group.group_name] = "tied"
     if isinstance(model, pipeline.Pipeline):
         static_shapes(model, args, fake)
-    saved = Saved([block for part in getattr(model, "parts", [model])  # a stage's blocks: a ModuleDict
-                   for block in (part.blocks.values() if isinstance(part.blocks, torch.nn.ModuleDict)
-                                 else part.blocks)])
+    # under selective checkpointing torch's checkpoint keeps what its policy saves itself, out of these hooks' sight
+    blocks = [block for part in getattr(model, "parts", [model])  # a stage's blocks: a ModuleDict
+              for block in (part.blocks.values() if isinstance(part.blocks, torch.nn.ModuleDict) else part.blocks)]
+    saved = contextlib.nullcontext() if args.activation_checkpoint == "selective" else Saved(blocks)
     with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(), counted, saved:
         x, y = torch.randint(args.vocab_size, (2, args.batch_size * args.grad_accum, args.seq_len), device=device)
         if isinstance(model, pipeline.Pipeline):
@@ -176,8 +178,8 @@ def one_step(args: argparse.Namespace, world_size: int, device: torch.device, fa
                            for kind, (_, total) in kinds.items())) for dim, kinds in sent.items()}
     experts = sum(local(p) for layer in layers for p in layer.experts.parameters())  # among the parameters held
     return {"mesh": dict(counted.sizes), "held": bytes_held, "sent": sent, "wire": wire, "flops_per_token": flops,
-            "moe_layers": len(layers), "experts": experts, "n_layer": config.n_layer,
-            "activations": [n // args.grad_accum for n in saved.per_block()]}  # one micro-batch's, per block
+            "moe_layers": len(layers), "experts": experts, "blocks": len(blocks) * args.grad_accum,
+            "activations": [n // args.grad_accum for n in saved.per_block()] if isinstance(saved, Saved) else None}
 
 
 def static_shapes(pipe: pipeline.Pipeline, args: argparse.Namespace, fake: bool) -> None:
@@ -284,16 +286,19 @@ def report(args: argparse.Namespace, world_size: int, figures: dict, simulated: 
                      f"each rank sends {size(routed / layers * WIRE['all-to-all'](dims['ep']))}")
     if "cp" in dims and "cp" not in figures["sent"]:  # cp's group is FSDP's too
         lines.append("cp's group is FSDP's too (shard 1): its collectives are counted with FSDP's, above")
-    elif "cp" in dims:  # the attention's collectives, per block (under activation checkpointing, its forward's twice)
-        per = ", ".join(f"{kind} {count / figures['n_layer']:g} × {size(total / count)}"
+    elif "cp" in dims:  # the attention's collectives, per block and micro-batch (recomputed: its forward's twice)
+        runs = figures["blocks"]  # this rank's blocks, times the micro-batches
+        per = ", ".join(f"{kind} {count / runs:g} × {size(total / count)}"
                         for kind, (count, total) in figures["sent"]["cp"].items())
-        lines.append(f"per block on cp ({args.cp_method}): {per}; each rank sends "
-                     f"{size(figures['wire']['cp'] / figures['n_layer'])}")
-    blocks = figures["activations"]
-    if blocks:
+        lines.append(f"per block{' and micro-batch' if args.grad_accum > 1 else ''} on cp ({args.cp_method}): {per}; "
+                     f"each rank sends {size(figures['wire']['cp'] / runs)}")
+    blocks = figures["activations"]  # one micro-batch's, per block
+    if blocks is None:
+        lines.append("activations: not counted under selective checkpointing (torch's checkpoint keeps them)")
+    elif blocks:
         lines.append(f"activations a block keeps for its backward, one micro-batch: {size(max(blocks))}"
                      f"{'' if min(blocks) == max(blocks) else f' (the least: {size(min(blocks))})'}, "
-                     f"{size(sum(blocks))} over this rank's {len(blocks)} blocks")
+                     f"{size(sum(blocks))} over this rank's {len(blocks)} block{'s' if len(blocks) > 1 else ''}")
     if layers:
         lines.append(f"training FLOPs per token: {figures['flops_per_token']:,} (6 per active parameter, top_k of "
                      f"the experts, and attention's)")

@@ -256,7 +256,7 @@ def evaluate(model: torch.nn.Module | pipeline.Pipeline, tokens: data.Tokens, st
             total = pipe.evaluate(x, y)
             if total is not None:
                 totals[0] += total
-                totals[1] += (y != -100).sum()
+                totals[1] += (pipe.cut(x, y)[1] != -100).sum()  # --cp: this rank's tokens
             continue
         x, y = data.windows(tokens.val, chunk if len(chunk) else starts[:1], args.seq_len, device)
         with autocast, parallelize.loss_context(mesh):
@@ -406,10 +406,10 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
               f"{'' if args.activation_checkpoint == 'none' else f', {args.activation_checkpoint} checkpointing'} | "
               f"data {tokens.summary()} | global batch {global_batch} × {args.seq_len} tokens"
               f"{f' | weights from {args.init_from}' if args.init_from and not resuming[0] else ''}", flush=True)
-        if args.cp > 1 and args.cp_method == "ulysses" and config.n_kv_head % args.cp:
-            print(f"--cp {args.cp} --cp_method ulysses: the model's {config.n_kv_head} k and v heads do not split "
-                  f"over {args.cp} ranks: repeated to its {config.n_head} q heads before the all-to-all (more bytes "
-                  "sent)", flush=True)
+        if args.cp > 1 and args.cp_method == "ulysses" and config.n_kv_head // args.tp % args.cp:  # a tp rank's
+            print(f"--cp {args.cp} --cp_method ulysses: the model's {config.n_kv_head // args.tp} k and v heads"
+                  f"{' a tp rank' if args.tp > 1 else ''} do not split over {args.cp} ranks: repeated to its "
+                  f"{config.n_head // args.tp} q heads before the all-to-all (more bytes sent)", flush=True)
         node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         if node % args.tp:  # tp innermost: its groups stay in a node only if they tile it
             print(f"--tp {args.tp}: its groups span nodes of {node} ranks, and tp's collectives (12 a block a step) "
@@ -485,7 +485,7 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
                 # the one host sync of the interval; under --pp, the last stage's ranks alone had a loss
                 loss = loss_sum.item() / (world_size // args.pp * steps_since_log)
                 now = time.perf_counter()
-                tokens_per_s = steps_since_log * global_batch * args.seq_len / (now - started)
+                interval, tokens_per_s = now - started, steps_since_log * global_batch * args.seq_len / (now - started)
                 started = now  # all that follows counts in the next interval: a save's copy to CPU memory too
                 # fp16: an infinite gradient is the scaler's to handle (it skips the step, lowers the scale)
                 if not (math.isfinite(loss) and (scaler.is_enabled() or math.isfinite(grad_norm.item()))
@@ -510,6 +510,11 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
                         with open(os.path.join(args.out_dir, "pp_timeline.json"), "w") as file:
                             json.dump({"schedule": args.pp_schedule, "pp": args.pp, "micro_batches": args.grad_accum,
                                        "ranks": [r["timeline"] for r in stages]}, file)
+                if args.cp_method == "ring":  # the largest share of the interval a rank waited for k and v
+                    waited = torch.tensor(context.WAITED[0] / interval, device=device)
+                    dist.all_reduce(waited, op=dist.ReduceOp.MAX)
+                    context.WAITED[0], record["cp_wait"] = 0.0, round(waited.item(), 4)
+                    line += f" | cp wait {record['cp_wait']:.0%}"
                 memory, words = peak_memory(device)
                 log({**record, **memory}, f"{line} | {words}")
                 loss_sum.zero_()
@@ -521,6 +526,11 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
                 if tokens.floor is not None:
                     record["floor"] = tokens.floor
                     line += f" | floor {tokens.floor:.4f} ({val_loss / tokens.floor:.3f} × floor)"
+                if args.cp_method == "ring":  # the largest share of the interval a rank waited for k and v
+                    waited = torch.tensor(context.WAITED[0] / interval, device=device)
+                    dist.all_reduce(waited, op=dist.ReduceOp.MAX)
+                    context.WAITED[0], record["cp_wait"] = 0.0, round(waited.item(), 4)
+                    line += f" | cp wait {record['cp_wait']:.0%}"
                 memory, words = peak_memory(device)
                 log({**record, **memory}, f"{line} | {words}")
                 started += time.perf_counter() - eval_started  # evaluation is not training time

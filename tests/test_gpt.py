@@ -729,8 +729,8 @@ def test_bench_compares_layouts_run_by_run(bench_main):
     for argv in (["--layouts", "ddp", "ddp"], ["--layouts", "ddp", "fsdp", "--host"]):  # refused before any run
         code, stdout, stderr = run_main(import_gpt("bench"), *argv)
         assert code == 2 and stdout == "" and stderr.strip().endswith(
-            "error: --layouts names each layout once, and runs alone (not with --host, --tp, --pp, --stop_agreement, "
-            "--save_every or --resume)"), stderr
+            "error: --layouts names each layout once, and runs alone (not with --host, --tp, --cp, --pp, "
+            "--stop_agreement, --save_every or --resume)"), stderr
 
 
 def test_bench_prints_what_saving_costs_and_compares_a_resumed_run_with_a_fresh_one(bench_main):
@@ -894,3 +894,30 @@ def test_fp16_under_fsdp_every_rank_skips_the_step_that_one_ranks_shard_overflow
     assert results == [(2.0**15, False)] * 2  # the default scale 2**16, halved; no weight moved
     results, _ = spawn(fp16_inf_on_one_rank, 2, parallel, True, timeout=90)
     assert results == [(2.0**16, True), (2.0**15, False)]  # rank 0 stepped, rank 1 skipped: the replicas part
+
+
+def test_bench_prints_each_cp_methods_speed_memory_and_the_rings_wait(monkeypatch):
+    """--cp 1 2 at 2 ranks (llama-tiny, 32 tokens, real runs): fsdp 2, then fsdp 1 × cp 2 by each method, each
+    with its tokens/s and the largest rank's peak memory; the ring alone with the share of its time it waited for k
+    and v (a share: the time is the benchmark's to print, not a test's)."""
+    bench = import_gpt("bench")
+    real = subprocess.run
+
+    def in_process(command, **kwargs):  # bench's torchrun of train.py, its ranks forked from the tests' server
+        if not any(str(word).endswith("train.py") for word in command):
+            return real(command, **kwargs)
+        nproc = int(command[command.index("--nproc-per-node") + 1])
+        script = next(i for i, word in enumerate(command) if word.endswith("train.py"))
+        result = torchrun_in_process(nproc, TRAIN, *command[script + 1:], cwd=REPO, timeout=120)
+        return subprocess.CompletedProcess(command, 0 if result.codes == [0] * nproc else 1, result.stdout,
+                                           result.stderr)
+    monkeypatch.setattr(bench.subprocess, "run", in_process)
+    code, stdout, stderr = run_main(bench, "--world_sizes", "2", "--repeats", "1", "--cp", "1", "2", "--",
+                                    "--model", "llama-tiny", "--seq_len", "32", "--max_steps", "6", "--log_every", "2")
+    assert code == 0, stderr
+    rows = re.findall(r"^ +(fsdp 2|fsdp 1 × cp 2 \w+) +[\d,]+ +[\d,]+ +[\d,]+ +([\d.]+) GiB +(\S+)$", stdout,
+                      re.MULTILINE)
+    assert [name for name, _, _ in rows] == ["fsdp 2", "fsdp 1 × cp 2 allgather", "fsdp 1 × cp 2 ulysses",
+                                             "fsdp 1 × cp 2 ring"], stdout
+    assert all(float(peak) > 0 for _, peak, _ in rows)
+    assert [wait for _, _, wait in rows[:3]] == ["-"] * 3 and 0 <= int(rows[3][2][:-1]) < 100, stdout

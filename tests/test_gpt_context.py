@@ -15,16 +15,22 @@ from gpt.context import positions, ring_attention
 from gpt.model import GPT
 
 # (--parallel, ranks, --batch_size, --grad_accum, more): 12 sequences of 32 tokens a step, as SPLITS; each method at
-# cp 2 and at cp 3 or 4, with both families (tiny: GPT-2's learned positions, 2 heads; llama-tiny and qwen3-tiny:
-# rotary, 4 q heads on 2 k and v heads, which ulysses at cp 4 repeats)
+# cp 2 and at cp 3 or 4, with tp 2 and with pp 2, with both families (tiny: GPT-2's learned positions, 2 heads;
+# llama-tiny and qwen3-tiny: rotary, 4 q heads on 2 k and v heads, which ulysses repeats at cp 4, and at cp 2 under
+# tp 2)
 LAYOUTS = {
     "tiny": [("fsdp", 2, 2, 6, "--cp", "2"), ("fsdp", 2, 2, 6, "--cp", "2", "--cp_method", "ulysses"),
-             ("fsdp", 4, 2, 6, "--cp", "4", "--cp_method", "ring")],
+             ("fsdp", 4, 2, 6, "--cp", "4", "--cp_method", "ring"),
+             ("fsdp", 4, 2, 6, "--cp", "2", "--tp", "2", "--cp_method", "ring"),
+             ("fsdp", 4, 2, 6, "--cp", "2", "--pp", "2", "--cp_method", "ulysses")],
     "llama-tiny": [("fsdp", 4, 2, 3, "--cp", "2"), ("hsdp", 4, 3, 2, "--shard_size", "1", "--cp", "2",
                                                     "--activation_checkpoint", "full"),
                    ("fsdp", 4, 2, 6, "--cp", "4", "--cp_method", "ulysses"),
-                   ("fsdp", 2, 2, 6, "--cp", "2", "--cp_method", "ring", "--activation_checkpoint", "full")],
-    "qwen3-tiny": [("fsdp", 3, 2, 6, "--cp", "3", "--seq_len", "36")],
+                   ("fsdp", 2, 2, 6, "--cp", "2", "--cp_method", "ring", "--activation_checkpoint", "full"),
+                   ("fsdp", 4, 2, 6, "--cp", "2", "--tp", "2", "--cp_method", "ulysses"),
+                   ("fsdp", 4, 2, 6, "--cp", "2", "--pp", "2")],
+    "qwen3-tiny": [("fsdp", 3, 2, 6, "--cp", "3", "--seq_len", "36"), ("fsdp", 4, 2, 6, "--cp", "2", "--tp", "2"),
+                   ("fsdp", 4, 2, 6, "--cp", "2", "--pp", "2", "--cp_method", "ring")],
 }
 
 def one_process(model: str, *more: str):
@@ -50,8 +56,11 @@ def test_context_parallel_trains_what_one_process_trains_on_whole_sequences(mode
     other = run_split(*layout, "--model", model)
     method = layout[layout.index("--cp_method") + 1] if "--cp_method" in layout else "allgather"
     assert f"{layout[0]} on {layout[1]} ranks (" in other[2] and f", cp by {method}, " in other[2].splitlines()[0]
-    repeated = "the model's 2 k and v heads do not split over 4 ranks: repeated to its 4 q heads" in other[2]
-    assert repeated == (method == "ulysses" and "4" in layout and model != "tiny")  # said, where it is done
+    cp, tp = (int(layout[layout.index(flag) + 1]) if flag in layout else 1 for flag in ("--cp", "--tp"))
+    repeated = f"k and v heads{' a tp rank' if tp > 1 else ''} do not split over {cp} ranks: repeated" in other[2]
+    assert repeated == (method == "ulysses" and 2 // tp % cp > 0), other[2]  # said, where done: 2 k and v heads
+    waits = [r.get("cp_wait") for r in other[0] if "loss" in r]  # the ring's time waiting for k and v, logged
+    assert all(w is not None and 0 < w < 1 for w in waits) if method == "ring" else waits == [None] * len(waits)
     assert_same_training(reference, other, f"{model}: {layout}")
 
 
@@ -100,9 +109,9 @@ def test_a_checkpoint_at_cp_2_resumes_at_cp_4_and_in_one_process(tmp_path):
 @pytest.mark.parametrize(("argv", "error"), [
     (["--parallel", "ddp", "--cp", "2"], "--cp 2 needs --parallel fsdp or hsdp"),
     (["--parallel", "fsdp", "--cp", "0"], "--tp, --pp, --ep and --cp must be at least 1"),
-    (["--parallel", "fsdp", "--cp", "2", "--tp", "2"], "--cp 2 does not yet go with --tp, --pp, --ep or --compile"),
+    (["--parallel", "fsdp", "--cp", "2", "--ep", "2"], "--cp 2 does not yet go with --ep or --compile"),
     (["--parallel", "fsdp", "--cp_method", "ring"], "--cp_method is for --cp above 1"),
-], ids=["ddp", "zero", "tp", "method"])
+], ids=["ddp", "zero", "ep", "method"])
 def test_cp_options_that_do_not_go_together_are_refused_in_one_line(argv, error, capsys):
     """The options alone decide: argparse's one line and exit 2, before any process group (train.py's own
     parse_args, in this process)."""

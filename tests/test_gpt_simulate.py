@@ -362,19 +362,22 @@ def test_qwen3_30b_a3b_at_1024_ranks_holds_and_sends_what_its_shapes_say():
 CP = ["--model", "llama-tiny", "--vocab_size", "64", "--seq_len", "32", "--batch_size", "2", "--parallel", "fsdp"]
 
 
-@pytest.mark.parametrize("method", ["allgather", "ulysses", "ring"])
-def test_context_parallel_is_simulated_as_a_real_run_counts_it(method):
-    """shard 2 × cp 2 on 4 real ranks and simulated, each method: every rank's bytes held, its collectives (FSDP's
-    on shard_cp, attention's on cp: the all-gathers and reduce-scatters, the all-to-alls, the ring's sends and
-    receives) and the activations each block keeps for its backward, equal."""
-    argv = [*CP, "--cp", "2", "--cp_method", method]
+@pytest.mark.parametrize(("method", "tp"), [("allgather", 1), ("ulysses", 1), ("ring", 2)])
+def test_context_parallel_is_simulated_as_a_real_run_counts_it(method, tp):
+    """cp 2 on 4 real ranks and simulated, each method (allgather and ulysses at shard 2 × cp 2, the ring at cp 2 ×
+    tp 2): every rank's bytes held, its collectives (FSDP's on shard_cp, attention's on cp: the all-gathers and
+    reduce-scatters, the all-to-alls, the ring's sends and receives; tp's) and the activations each block keeps for
+    its backward, equal; the weights sharded over shard × cp (and split over tp), not replicated over cp."""
+    argv = [*CP, "--cp", "2", "--cp_method", method, "--tp", str(tp)]
     real = torchrun_in_process(4, SIMULATE, *argv, "--json", timeout=120)
     assert real.codes == [0] * 4, real.stderr
     counted = json.loads(real.stdouts[0])
-    assert set(counted[0]["sent"]) == {"shard_cp", "cp"} and counted[0]["mesh"] == {"shard": 2, "cp": 2, "shard_cp": 4}
+    shard = 4 // (2 * tp)
+    assert counted[0]["mesh"] == {"shard": shard, "cp": 2, **({"tp": tp} if tp > 1 else {}), "shard_cp": 2 * shard}
+    assert set(counted[0]["sent"]) == {"shard_cp", "cp", *(["tp"] if tp > 1 else [])}
     assert counted == simulated(4, *argv, "--every_rank")
-    params = llama_bytes(GPTConfig(vocab_size=64, seq_len=32, **CONFIGS["llama-tiny"]), {"shard": 4})
-    assert counted[0]["held"]["parameters"] == params  # the weights sharded over shard × cp, not replicated over cp
+    params = llama_bytes(GPTConfig(vocab_size=64, seq_len=32, **CONFIGS["llama-tiny"]), {"shard": 2 * shard, "tp": tp})
+    assert counted[0]["held"]["parameters"] == params
 
 
 @pytest.mark.parametrize("cp", [2, 4])
