@@ -25,6 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from model import MoE
+
 METHODS = ("allgather", "ulysses", "ring")
 # torch 2.13 names them all_gather_single and reduce_scatter_single, and warns that the older names will go
 ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -226,13 +228,47 @@ def ring_attention(group: dist.ProcessGroup, q: torch.Tensor, k: torch.Tensor, v
 ATTENTION = {"allgather": allgather_attention, "ulysses": ulysses_attention, "ring": ring_attention}
 
 
+class SumOver(torch.autograd.Function):
+    """x summed over `group`'s ranks, and so is its gradient: each cp rank's loss adds the one auxiliary loss of the
+    summed routing, and FSDP then averages the gradients over the cp ranks, so each rank's share of the auxiliary
+    loss's gradient must be all of theirs."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group, x = group, x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def moe_forward(layer: MoE, group: dist.ProcessGroup, forward, x: torch.Tensor) -> torch.Tensor:
+    """A mixture of experts' forward (`forward`: MoE.forward, or tensor parallel's) on this rank's tokens, its
+    routing's sums then the cp group's: those of the whole sequences, for the auxiliary loss (GPT.forward counts
+    the cp group's tokens) and DeepSeek's bias, as one process routes them."""
+    y = forward(x)
+    counts, probs, dropped = layer.routed
+    dist.all_reduce(counts, group=group)
+    dist.all_reduce(dropped, group=group)
+    layer.routed = (counts, SumOver.apply(probs, group), dropped)
+    return y
+
+
 def context_parallel(model: nn.Module, group: dist.ProcessGroup, method: str) -> None:
-    """--cp: the model's inputs cut to this rank's tokens, and every block's attention the method's. A pipeline's
+    """--cp: the model's inputs cut to this rank's tokens, every block's attention the method's, and a mixture of
+    experts' routing summed over the cp ranks (moe_forward). A pipeline's
     stage (its blocks a ModuleDict) takes the cp group instead: its Pipeline cuts each batch, and each stage makes
     its tokens' positions (gpt/pipeline.py)."""
     if isinstance(model.blocks, nn.ModuleDict):
         model.cp_group = group
     else:
         model.register_forward_pre_hook(functools.partial(split_sequences, group), with_kwargs=True)
+    model.cp_size = group.size()  # GPT.forward's and the Pipeline's count of the routed tokens
     for block in getattr(model.blocks, "values", lambda: model.blocks)():
         block.attn.attend = functools.partial(ATTENTION[method], group)
+        if isinstance(block.mlp, MoE):
+            block.mlp.forward = functools.partial(moe_forward, block.mlp, group, block.mlp.forward)

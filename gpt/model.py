@@ -331,6 +331,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_head:
             self.lm_head.weight = self.wte.weight  # tied: one matrix, listed once by parameters()
+        self.cp_size = 1  # --cp: the ranks a sequence is split over, whose routing a forward's sums are (context.py)
         # the training forwards' routing (tally()) since the last optimizer step, and since the last log line
         # (gpt/parallelize.py's moe_step and moe_metrics): None in a dense model
         self.routing = self.interval = None
@@ -348,7 +349,7 @@ class GPT(nn.Module):
             return self.lm_head(self.ln_f(x))
         losses = self.head_loss(x, targets)
         if self.config.n_expert and self.training:
-            aux = self.aux_loss(idx.numel())
+            aux = self.aux_loss(idx.numel() * self.cp_size)
             self.tally(aux.detach())
             losses = losses + self.config.aux_loss_coef * aux
         return losses

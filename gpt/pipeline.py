@@ -197,7 +197,7 @@ class Pipeline:
         for stage in self.stages:
             self.timed(stage)
         schedule = schedule_class(args.pp_schedule)
-        self.config, self.tokens = parts[0].config, args.batch_size * args.seq_len // cp_size  # a micro-batch's
+        self.config, self.tokens = parts[0].config, args.batch_size * args.seq_len  # a micro-batch's (a cp group's)
         # a mixture of experts: this rank's stages' routing since the last optimizer step, and since the last log
         # line, as GPT.tally's (the model's layers that other ranks hold at 0), for parallelize.moe_step
         self.routing = self.interval = None
@@ -227,7 +227,9 @@ class Pipeline:
             return loss(output, targets)
         logits, routing = output
         ce = loss(logits, targets)
-        aux = self.config.aux_loss_coef * balancing_loss(self.config, routing[0].detach(), routing[1], targets.numel())
+        # --cp: the routing's sums are the cp group's (context.moe_forward), over its ranks' targets
+        tokens = targets.numel() * (self.cp_group.size() if self.cp_group is not None else 1)
+        aux = self.config.aux_loss_coef * balancing_loss(self.config, routing[0].detach(), routing[1], tokens)
         return ce + (DTensor.from_local(aux, ce.device_mesh, ce.placements) if isinstance(ce, DTensor) else aux)
 
     def moe_layers(self) -> dict[int, MoE]:

@@ -520,17 +520,13 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
                 loss_sum.zero_()
                 steps_since_log = 0
             if (step + 1) % args.eval_every == 0 or done:
-                eval_started = time.perf_counter()
+                eval_started, waited = time.perf_counter(), context.WAITED[0]
                 val_loss = evaluate(model, tokens, val_starts, args, mesh, dp_rank, dp_size, device, autocast)
+                context.WAITED[0] = waited  # the ring's waits in evaluation are not training's either
                 record, line = {"step": step + 1, "val_loss": val_loss}, f"step {step + 1} | val_loss {val_loss:.4f}"
                 if tokens.floor is not None:
                     record["floor"] = tokens.floor
                     line += f" | floor {tokens.floor:.4f} ({val_loss / tokens.floor:.3f} × floor)"
-                if args.cp_method == "ring":  # the largest share of the interval a rank waited for k and v
-                    waited = torch.tensor(context.WAITED[0] / interval, device=device)
-                    dist.all_reduce(waited, op=dist.ReduceOp.MAX)
-                    context.WAITED[0], record["cp_wait"] = 0.0, round(waited.item(), 4)
-                    line += f" | cp wait {record['cp_wait']:.0%}"
                 memory, words = peak_memory(device)
                 log({**record, **memory}, f"{line} | {words}")
                 started += time.perf_counter() - eval_started  # evaluation is not training time

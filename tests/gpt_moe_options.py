@@ -3,9 +3,11 @@ number per expert), every MoE layer's expert biases starting there, not at 0: a 
 takes the same experts and the others none. With MOE_NO_REDUCE set, moe_step sums no rank's routing but its own (the
 test that shows the MoE proof can fail); with MOE_NO_TP_SUM, the experts' gradients not summed over the tp ranks;
 with MOE_NO_TP_ROUTING, each tp rank's routing its own, not summed for the auxiliary loss; with MOE_NO_PP_ROUTING,
-each pipeline stage's routing its own, not sent on; with MOE_EP_MUTANT=combine, ep_forward's results sent back in
-its experts' order, not in the order received; with MOE_EP_MUTANT=splits, its dispatch's split sizes swapped (what
-each rank sends for what it receives). For tests/test_gpt_moe.py; main() is gpt/train.py's."""
+each pipeline stage's routing its own, not sent on; with MOE_NO_CP_ROUTING, each cp rank's routing its own; with
+MOE_NO_CP_AUX_GRAD, the cp ranks' routing summed but not the auxiliary loss's gradient; with MOE_EP_MUTANT=combine,
+ep_forward's results sent back in its experts' order, not in the order received; with MOE_EP_MUTANT=splits, its
+dispatch's split sizes swapped (what each rank sends for what it receives). For tests/test_gpt_moe.py; main() is
+gpt/train.py's."""
 import inspect
 import json
 import os
@@ -49,6 +51,10 @@ if "MOE_NO_TP_SUM" in os.environ:
     train.parallelize.tp_moe_gradients = lambda model: None
 if "MOE_NO_TP_ROUTING" in os.environ:
     train.parallelize.tp_moe_forward = local_routing
+if "MOE_NO_CP_ROUTING" in os.environ:
+    train.context.moe_forward = lambda layer, group, forward, x: forward(x)
+if "MOE_NO_CP_AUX_GRAD" in os.environ:
+    train.context.SumOver.backward = staticmethod(lambda ctx, grad: (grad, None))
 if "MOE_NO_PP_ROUTING" in os.environ:
     stage_forward = train.pipeline.Stage.forward
     train.pipeline.Stage.forward = lambda self, x, routing=None: stage_forward(self, x)

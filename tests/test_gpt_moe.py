@@ -192,7 +192,9 @@ LAYOUTS = {  # (--parallel, ranks, --batch_size, --grad_accum, more): 12 sequenc
     "moe-tiny": [("ddp", 2, 2, 3), ("fsdp", 3, 2, 2), ("hsdp", 4, 1, 3), ("fsdp", 2, 2, 3, "--ep", "2"),
                  ("fsdp", 4, 1, 3, "--ep", "4"), ("hsdp", 4, 1, 3, "--shard_size", "2", "--ep", "2"),
                  ("fsdp", 2, 2, 6, "--tp", "2"), ("fsdp", 2, 2, 6, "--pp", "2"),
-                 ("fsdp", 4, 2, 3, "--pp", "2", "--ep", "2"), ("fsdp", 4, 2, 6, "--pp", "2", "--tp", "2")],
+                 ("fsdp", 4, 2, 3, "--pp", "2", "--ep", "2"), ("fsdp", 4, 2, 6, "--pp", "2", "--tp", "2"),
+                 ("fsdp", 4, 2, 3, "--cp", "2"), ("fsdp", 4, 2, 6, "--cp", "2", "--tp", "2", "--cp_method", "ring"),
+                 ("fsdp", 4, 2, 3, "--cp", "2", "--ep", "2")],
     "moe-mini": [("fsdp", 2, 2, 3), ("hsdp", 4, 1, 3), ("fsdp", 4, 1, 3, "--ep", "2")],
     # moe-mini's options on moe-tiny's width (moe-mini under tp or pp parts from one process by more than the
     # tolerances after 8 steps at lr 3e-3, up to 1.2e-4 in its third block's attn.o at 2 steps of tp 2, ten times
@@ -200,7 +202,9 @@ LAYOUTS = {  # (--parallel, ranks, --batch_size, --grad_accum, more): 12 sequenc
     # dense first, the shared expert, sigmoid scores, the bias; a V schedule's 4 stages, the first all dense
     # (fsdp 4 × tp 2 × ep 2 with these options alone, and tp 2 with moe-tiny's alone: the suite's budget)
     "deepseek-tiny": [("fsdp", 4, 2, 3, "--tp", "2", "--ep", "2"),
-                      ("fsdp", 2, 2, 6, "--pp", "2", "--pp_schedule", "ZBVZeroBubble"), ("fsdp", 3, 2, 6, "--pp", "3")],
+                      ("fsdp", 2, 2, 6, "--pp", "2", "--pp_schedule", "ZBVZeroBubble"), ("fsdp", 3, 2, 6, "--pp", "3"),
+                      ("fsdp", 4, 2, 6, "--cp", "2", "--pp", "2", "--cp_method", "ulysses"),
+                      ("fsdp", 2, 2, 6, "--cp", "2", "--ep", "2")],
 }
 DEEPSEEK = (("MOE_OPTIONS", '{"n_layer": 4, "router": "sigmoid", "route_scale": 2.5, "n_shared_expert": 1, '
                             '"first_dense": 1, "bias_rate": 0.001}'),)
@@ -252,14 +256,16 @@ def test_the_moe_proof_fails_when_each_rank_moves_the_bias_on_its_own_tokens():
         assert_same_routing(reference, broken, "no reduction of routing")
 
 
-@pytest.mark.parametrize("mutant", ["MOE_NO_TP_SUM", "MOE_NO_TP_ROUTING", "MOE_NO_PP_ROUTING"])
-def test_the_tp_and_pp_proofs_fail_without_their_sums(mutant):
+@pytest.mark.parametrize("mutant", ["MOE_NO_TP_SUM", "MOE_NO_TP_ROUTING", "MOE_NO_PP_ROUTING", "MOE_NO_CP_ROUTING",
+                                    "MOE_NO_CP_AUX_GRAD"])
+def test_the_tp_pp_and_cp_proofs_fail_without_their_sums(mutant):
     """tests/gpt_moe_options.py at tp 2 with the experts' gradients not summed over the tp ranks (each rank's its
     half of the sequence's), or the routing's sums for the auxiliary loss left each rank's own; at pp 2 with the
     routing not sent on from stage to stage (the auxiliary loss of the last stage's layers alone): not one
-    process's training."""
+    process's training; at cp 2 with each cp rank's routing its own, or summed for the auxiliary loss but its
+    gradient not (each rank's share of it 1/cp of what FSDP's mean over the cp ranks needs)."""
     reference = split("ddp", 1, 2, 6, model="moe-tiny")
-    layout = ("--pp" if "PP" in mutant else "--tp", "2")
+    layout = ("--pp" if "PP" in mutant else "--cp" if "CP" in mutant else "--tp", "2")
     broken = split("fsdp", 2, 2, 6, *layout, model="moe-tiny", env=((mutant, "1"),))  # it runs to its end
     with pytest.raises(AssertionError):
         assert_same_routing(reference, broken, mutant)
@@ -351,13 +357,14 @@ def test_an_ep_degree_that_does_not_fit_is_refused_in_one_line(nproc, argv, erro
     assert not list(tmp_path.iterdir())
 
 
-def test_a_capacity_under_tp_is_refused_in_one_line(tmp_path):
-    result = torchrun_in_process(2, "tests/gpt_moe_options.py", "--model", "moe-tiny", "--parallel", "fsdp", "--tp",
+@pytest.mark.parametrize("flag", ["--tp", "--cp"])
+def test_a_capacity_under_tp_or_cp_is_refused_in_one_line(flag, tmp_path):
+    result = torchrun_in_process(2, "tests/gpt_moe_options.py", "--model", "moe-tiny", "--parallel", "fsdp", flag,
                                  "2", "--max_steps", "1", cwd=tmp_path, env=dict(CAPACITY), timeout=60)
     assert result.codes == [1, 1] and "Traceback" not in result.stderr, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(
-        "error: --tp 2 and a capacity factor: each tp rank routes its share of the sequence"), result.stderr
+        f"error: {flag} 2 and a capacity factor: each {flag[2:]} rank routes its share of the sequence"), result.stderr
     assert not list(tmp_path.iterdir())
 
 
