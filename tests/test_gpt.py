@@ -764,6 +764,24 @@ def test_bench_prints_a_tp_degree_beside_what_a_rank_holds_and_sends(bench_main)
     assert float(rows[0][1]) == round(4 * params / 2**20, 2) and float(rows[0][2]) > 0
 
 
+def bench_in_process(monkeypatch):
+    """gpt/bench.py as a module, its torchrun of train.py run with the ranks forked from the tests' server (a rank
+    killed (-9) or hung (None) fails, as under torchrun); what else it runs, run."""
+    bench = import_gpt("bench")
+    real = subprocess.run
+
+    def in_process(command, **kwargs):
+        if not any(str(word).endswith("train.py") for word in command):
+            return real(command, **kwargs)
+        nproc = int(command[command.index("--nproc-per-node") + 1])
+        script = next(i for i, word in enumerate(command) if word.endswith("train.py"))
+        result = torchrun_in_process(nproc, TRAIN, *command[script + 1:], cwd=REPO, timeout=120)
+        return subprocess.CompletedProcess(command, 0 if result.codes == [0] * nproc else 1, result.stdout,
+                                           result.stderr)
+    monkeypatch.setattr(bench.subprocess, "run", in_process)
+    return bench
+
+
 def test_bench_prints_each_schedules_wait_beside_its_formula_and_the_micro_batches_each_stage_held(tmp_path,
                                                                                                       monkeypatch):
     """--pp 1F1B ZBVZeroBubble at 2 ranks, 4 micro-batches: each rank's measured share of a step spent waiting
@@ -771,19 +789,7 @@ def test_bench_prints_each_schedules_wait_beside_its_formula_and_the_micro_batch
     0 for ZB-V), and the most micro-batches each stage held, which the schedules' orders decide: 1F1B p - s on
     stage s, ZB-V 2p - s (stage s of 2p, each backward ending with the weights'). Then plot.py --pipeline draws
     their timelines, one bar per stage's piece of work."""
-    bench = import_gpt("bench")
-
-    real = subprocess.run
-
-    def in_process(command, **kwargs):  # bench's torchrun of train.py, its ranks forked from the tests' server
-        if not any(str(word).endswith("train.py") for word in command):
-            return real(command, **kwargs)
-        nproc = int(command[command.index("--nproc-per-node") + 1])
-        script = next(i for i, word in enumerate(command) if word.endswith("train.py"))
-        result = torchrun_in_process(nproc, TRAIN, *command[script + 1:], cwd=REPO, timeout=120)
-        code = 0 if result.codes == [0] * nproc else 1  # a rank killed (-9) or hung (None) fails, as torchrun's
-        return subprocess.CompletedProcess(command, code, result.stdout, result.stderr)
-    monkeypatch.setattr(bench.subprocess, "run", in_process)
+    bench = bench_in_process(monkeypatch)
     code, stdout, stderr = run_main(bench, "--world_sizes", "2", "--repeats", "1", "--pp", "1F1B", "ZBVZeroBubble",
                                     "--timelines", str(tmp_path), "--", "--max_steps", "4", "--log_every", "2",
                                     "--grad_accum", "4", "--batch_size", "2")
@@ -900,18 +906,7 @@ def test_bench_prints_each_cp_methods_speed_memory_and_the_rings_wait(monkeypatc
     """--cp 1 2 at 2 ranks (llama-tiny, 32 tokens, real runs): fsdp 2, then fsdp 1 × cp 2 by each method, each
     with its tokens/s and the largest rank's peak memory; the ring alone with the share of its time it waited for k
     and v (a share: the time is the benchmark's to print, not a test's)."""
-    bench = import_gpt("bench")
-    real = subprocess.run
-
-    def in_process(command, **kwargs):  # bench's torchrun of train.py, its ranks forked from the tests' server
-        if not any(str(word).endswith("train.py") for word in command):
-            return real(command, **kwargs)
-        nproc = int(command[command.index("--nproc-per-node") + 1])
-        script = next(i for i, word in enumerate(command) if word.endswith("train.py"))
-        result = torchrun_in_process(nproc, TRAIN, *command[script + 1:], cwd=REPO, timeout=120)
-        return subprocess.CompletedProcess(command, 0 if result.codes == [0] * nproc else 1, result.stdout,
-                                           result.stderr)
-    monkeypatch.setattr(bench.subprocess, "run", in_process)
+    bench = bench_in_process(monkeypatch)
     code, stdout, stderr = run_main(bench, "--world_sizes", "2", "--repeats", "1", "--cp", "1", "2", "--",
                                     "--model", "llama-tiny", "--seq_len", "32", "--max_steps", "6", "--log_every", "2")
     assert code == 0, stderr
