@@ -48,7 +48,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and of each step's batch")
     p.add_argument("--kill", help="R:S: replica R SIGKILLs itself as step S starts, and is started again; "
                                   "R:S:mid: in step S, after its quorum, before its all-reduce")
-    p.add_argument("--step_time", type=float, default=0.1, help="seconds each step also sleeps, as if computing: "
+    p.add_argument("--step_time", type=float, default=0.25, help="seconds each step also sleeps, as if computing: "
                                                                  "time for a restarted replica to come back")
     p.add_argument("--diloco", type=int, metavar="H", help="DiLoCo: H local steps, then an outer step")
     p.add_argument("--out_dir", help="each replica saves its final weights here, replica_R.pt (one launcher a folder)")
