@@ -195,9 +195,6 @@ def context_parallel(world_size: int, degrees: list[int], train_args: list[str],
     each rank holds seq_len / cp of its tokens. The tokens/s, the largest rank's peak memory (on a CPU its resident
     set, torch's runtime included; on CUDA the most allocated), and under the ring the largest share of the time a
     rank waited for k and v (train.py's cp_wait): medians of the log intervals but the first, then of the runs."""
-    bad = [cp for cp in degrees if cp < 1 or world_size % cp]
-    if bad:
-        raise SystemExit(f"error: --cp {bad[0]} does not divide the {world_size} ranks")
     threads = 1 if torch.cuda.is_available() else max(1, cores // world_size)
     print(f"{'layout':>24} {'tokens/s (median)':>18} {'min':>10} {'max':>10} {'peak memory':>12} {'cp wait':>8}")
     for cp in degrees:
@@ -310,6 +307,8 @@ def main() -> None:
                          args.stop_agreement or args.save_every or args.resume):
         parser.error("--layouts names each layout once, and runs alone (not with --host, --tp, --cp, --pp, "
                      "--stop_agreement, --save_every or --resume)")
+    if args.cp and any(cp < 1 or args.world_sizes[-1] % cp for cp in args.cp):
+        parser.error(f"--cp: each degree must divide the {args.world_sizes[-1]} ranks (the last of --world_sizes)")
     if args.pp and args.world_sizes[-1] < 2:
         parser.error("--pp runs one pipeline over the last of --world_sizes: it must be 2 or more")
     if args.stop_worker:

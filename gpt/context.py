@@ -183,8 +183,8 @@ class RingAttention(torch.autograd.Function):
             part_lse = s.logsumexp(-1, keepdim=True)
             values = kv[1][:, :, cols].float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             part = (s - part_lse).exp() @ values
-            if out is None:  # its own keys: every query's first
-                out, lse = part, part_lse
+            if out is None:  # its own keys: every query's first; copies, as the merges below write into them in
+                out, lse = part.clone(), part_lse.clone()  # place, and selective checkpointing keeps the products
             else:
                 out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], part, part_lse)
         ctx.group = group

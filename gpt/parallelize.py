@@ -98,6 +98,9 @@ def check_layout(args: argparse.Namespace, config: GPTConfig, world_size: int) -
     if args.cp > 1 and config.seq_len % (2 * args.cp):  # head-tail: 2·cp chunks of the sequence (gpt/context.py)
         raise ValueError(f"--cp {args.cp}: 2 × {args.cp} does not divide --seq_len {config.seq_len} (each rank holds "
                          "two of 2·cp equal chunks)")
+    if args.cp > 1 and config.seq_len // args.cp % args.tp:  # sequence parallel splits a cp rank's tokens over tp
+        raise ValueError(f"--cp {args.cp} --tp {args.tp}: a cp rank's {config.seq_len // args.cp} tokens (--seq_len / "
+                         f"cp) do not split over {args.tp} tp ranks")
     if args.cp > 1 and config.n_expert and config.capacity_factor:  # as under --tp below
         raise ValueError(f"--cp {args.cp} and a capacity factor: each cp rank routes its share of the sequence, and "
                          "a capacity is over a micro-batch's tokens in order: no capacity_factor under --cp")

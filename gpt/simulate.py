@@ -210,7 +210,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", choices=SIZES, default="gpt2", help="gpt/model.py's CONFIGS, and larger ones")
     p.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp"], default="fsdp", help="as train.py's")
     p.add_argument("--shard_size", type=int, help="hsdp: data-parallel ranks per shard group (default: a node's "
-                                                    "ranks / --tp,\n8 GPUs a node when simulated)")
+                                                    "ranks / (--tp × --cp),\n8 GPUs a node when simulated)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel ranks, innermost, as train.py's")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages, outermost, as train.py's")
     p.add_argument("--ep", type=int, default=1, help="expert parallel ranks, taken from the data-parallel ones, as "

@@ -22,7 +22,7 @@ positions, ring_attention = context.positions, context.ring_attention
 LAYOUTS = {
     "tiny": [("fsdp", 2, 2, 6, "--cp", "2"), ("fsdp", 4, 2, 6, "--cp", "4"),
              ("fsdp", 2, 2, 6, "--cp", "2", "--cp_method", "ulysses"),
-             ("fsdp", 4, 2, 6, "--cp", "4", "--cp_method", "ring"),
+             ("fsdp", 4, 2, 6, "--cp", "4", "--cp_method", "ring", "--activation_checkpoint", "selective"),
              ("fsdp", 4, 2, 6, "--cp", "2", "--tp", "2", "--cp_method", "ring"),
              ("fsdp", 4, 2, 6, "--cp", "2", "--pp", "2", "--cp_method", "ulysses")],
     "llama-tiny": [("fsdp", 4, 2, 3, "--cp", "2"), ("hsdp", 4, 3, 2, "--shard_size", "1", "--cp", "2",
@@ -145,3 +145,12 @@ def test_the_ring_refuses_attention_dropout():
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(ValueError, match="ring attention has no attention dropout"):
         ring_attention(None, q, q, q, 0.1)
+
+
+def test_a_cp_ranks_tokens_that_tp_does_not_split_are_refused():
+    """tp 4 × cp 2, 12 tokens: 2 × cp divides them and tp divides them, but a cp rank's 6 do not split over 4 tp
+    ranks (sequence parallel): one line, before anything is built."""
+    parallelize, model = import_gpt("parallelize"), import_gpt("model")
+    args = import_gpt().parse_args(["--parallel", "fsdp", "--tp", "4", "--cp", "2", "--model", "mini"])
+    with pytest.raises(ValueError, match=r"--cp 2 --tp 4: a cp rank's 6 tokens \(--seq_len / cp\) do not split"):
+        parallelize.check_layout(args, model.GPTConfig(vocab_size=64, seq_len=12, **model.CONFIGS["mini"]), 8)
