@@ -193,7 +193,7 @@ LAYOUTS = {  # (--parallel, ranks, --batch_size, --grad_accum, more): 12 sequenc
                  ("fsdp", 4, 1, 3, "--ep", "4"), ("hsdp", 4, 1, 3, "--shard_size", "2", "--ep", "2"),
                  ("fsdp", 2, 2, 6, "--tp", "2"), ("fsdp", 2, 2, 6, "--pp", "2"),
                  ("fsdp", 4, 2, 3, "--pp", "2", "--ep", "2"), ("fsdp", 4, 2, 6, "--pp", "2", "--tp", "2"),
-                 ("fsdp", 4, 2, 3, "--cp", "2"), ("fsdp", 4, 2, 6, "--cp", "2", "--tp", "2", "--cp_method", "ring"),
+                 ("fsdp", 4, 2, 6, "--cp", "2", "--tp", "2", "--cp_method", "ring"),
                  ("fsdp", 4, 2, 3, "--cp", "2", "--ep", "2")],
     "moe-mini": [("fsdp", 2, 2, 3), ("hsdp", 4, 1, 3), ("fsdp", 4, 1, 3, "--ep", "2")],
     # moe-mini's options on moe-tiny's width (moe-mini under tp or pp parts from one process by more than the
