@@ -225,6 +225,22 @@ def ring_attention(group: dist.ProcessGroup, q: torch.Tensor, k: torch.Tensor, v
     return RingAttention.apply(q, k, v, group)
 
 
+def wait_metrics(record: dict, line: str, interval: float, device: torch.device) -> tuple[dict, str]:
+    """The log's record and line with the ring's cp_wait: the largest share of the `interval` seconds that a rank
+    waited for k and v (WAITED, then zeroed). One all-reduce (max): every rank calls it."""
+    waited = torch.tensor(WAITED[0] / interval, device=device)
+    dist.all_reduce(waited, op=dist.ReduceOp.MAX)
+    WAITED[0], record["cp_wait"] = 0.0, round(waited.item(), 4)
+    return record, f"{line} | cp wait {record['cp_wait']:.0%}"
+
+
+def repeated_heads(args, config) -> str:
+    """train.py's line under ulysses where a tp rank's k and v heads do not split over the cp ranks."""
+    return (f"--cp {args.cp} --cp_method ulysses: the model's {config.n_kv_head // args.tp} k and v heads"
+            f"{' a tp rank' if args.tp > 1 else ''} do not split over {args.cp} ranks: repeated to its "
+            f"{config.n_head // args.tp} q heads before the all-to-all (more bytes sent)")
+
+
 ATTENTION = {"allgather": allgather_attention, "ulysses": ulysses_attention, "ring": ring_attention}
 
 

@@ -406,10 +406,8 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
               f"{'' if args.activation_checkpoint == 'none' else f', {args.activation_checkpoint} checkpointing'} | "
               f"data {tokens.summary()} | global batch {global_batch} × {args.seq_len} tokens"
               f"{f' | weights from {args.init_from}' if args.init_from and not resuming[0] else ''}", flush=True)
-        if args.cp > 1 and args.cp_method == "ulysses" and config.n_kv_head // args.tp % args.cp:  # a tp rank's
-            print(f"--cp {args.cp} --cp_method ulysses: the model's {config.n_kv_head // args.tp} k and v heads"
-                  f"{' a tp rank' if args.tp > 1 else ''} do not split over {args.cp} ranks: repeated to its "
-                  f"{config.n_head // args.tp} q heads before the all-to-all (more bytes sent)", flush=True)
+        if args.cp > 1 and args.cp_method == "ulysses" and config.n_kv_head // args.tp % args.cp:
+            print(context.repeated_heads(args, config), flush=True)
         node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         if node % args.tp:  # tp innermost: its groups stay in a node only if they tile it
             print(f"--tp {args.tp}: its groups span nodes of {node} ranks, and tp's collectives (12 a block a step) "
@@ -510,11 +508,8 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
                         with open(os.path.join(args.out_dir, "pp_timeline.json"), "w") as file:
                             json.dump({"schedule": args.pp_schedule, "pp": args.pp, "micro_batches": args.grad_accum,
                                        "ranks": [r["timeline"] for r in stages]}, file)
-                if args.cp_method == "ring":  # the largest share of the interval a rank waited for k and v
-                    waited = torch.tensor(context.WAITED[0] / interval, device=device)
-                    dist.all_reduce(waited, op=dist.ReduceOp.MAX)
-                    context.WAITED[0], record["cp_wait"] = 0.0, round(waited.item(), 4)
-                    line += f" | cp wait {record['cp_wait']:.0%}"
+                if args.cp_method == "ring":  # every rank: one all-reduce
+                    record, line = context.wait_metrics(record, line, interval, device)
                 memory, words = peak_memory(device)
                 log({**record, **memory}, f"{line} | {words}")
                 loss_sum.zero_()
