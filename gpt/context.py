@@ -14,8 +14,9 @@ the backward each rank's k and v get the gradients of every rank's queries, summ
 split (each rank all the tokens of n_head / N heads), attention runs whole on those heads, and one all-to-all
 trades back; n_head must divide by N, and k's and v's heads are repeated up to n_head where n_kv_head does not.
 --cp_method ring (ring attention): k and v passed from rank to rank, N - 1 times, while each rank attends to what
-it holds; the N partial results merged by their log-sum-exp. Its backward is written out (RingAttention), flash
-attention's: nothing of the sequence's length squared is kept for it.
+it holds (each pass in flight during that step's attention); the N partial results merged by their log-sum-exp.
+Its backward is written out (RingAttention), flash attention's: nothing of the sequence's length squared is kept
+for it.
 """
 import functools
 import time
@@ -122,19 +123,23 @@ def ulysses_attention(group: dist.ProcessGroup, q: torch.Tensor, k: torch.Tensor
     return back.movedim(0, 1).flatten(1, 2)
 
 
-def ring_pass(tensors: tuple[torch.Tensor, ...], group: dist.ProcessGroup) -> tuple[torch.Tensor, ...]:
-    """Each tensor to the next rank of `group`, and the previous rank's received: one batch_isend_irecv, all its
-    sends and receives in flight together."""
+def ring_pass(tensors: tuple[torch.Tensor, ...], group: dist.ProcessGroup, tag: int = 0):
+    """Start sending each tensor to the next rank of `group` and receiving the previous rank's: one
+    batch_isend_irecv, all in flight together, while the caller computes. Returns a function that waits for them
+    (the time counted in WAITED) and gives what was received. `tag` keeps the backward's two rings apart."""
     cp, rank = group.size(), group.rank()
     to, source = (dist.get_global_rank(group, (rank + step) % cp) for step in (1, -1))
     outs = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors)
-    ops = [op for t, out in zip(tensors, outs, strict=True)
-           for op in (dist.P2POp(dist.isend, t.contiguous(), to, group), dist.P2POp(dist.irecv, out, source, group))]
-    start = time.perf_counter()
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    WAITED[0] += time.perf_counter() - start
-    return outs
+    works = dist.batch_isend_irecv([op for t, out in zip(tensors, outs, strict=True) for op in (
+        dist.P2POp(dist.isend, t.contiguous(), to, group, tag), dist.P2POp(dist.irecv, out, source, group, tag))])
+
+    def received() -> tuple[torch.Tensor, ...]:
+        start = time.perf_counter()
+        for work in works:
+            work.wait()
+        WAITED[0] += time.perf_counter() - start
+        return outs
+    return received
 
 
 def ring_block(rank: int, source: int, tokens: int) -> tuple[slice, slice, bool]:
@@ -168,7 +173,7 @@ class RingAttention(torch.autograd.Function):
     the compute dtype. Flash attention's way: each step's scores made, used and dropped, the backward making them
     again from the output and its log-sum-exp; so a rank keeps q, its own k and v, the output and the log-sum-exp,
     nothing of the length squared. The backward passes k and v round again, with the sums of their gradients beside
-    them, and the sums one step more, home."""
+    them, and the sums one step more, home. Each pass is in flight while the block held is computed."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -176,8 +181,7 @@ class RingAttention(torch.autograd.Function):
         q32, kv = q.float() * scale, (k, v)
         out, lse = None, None
         for step in range(cp):
-            if step:
-                kv = ring_pass(kv, group)
+            incoming = ring_pass(kv, group) if step < cp - 1 else None  # the next block travels meanwhile
             rows, cols, causal = ring_block(rank, (rank - step) % cp, q.shape[2])
             s = scores(q32[:, :, rows], kv[0][:, :, cols], causal)
             part_lse = s.logsumexp(-1, keepdim=True)
@@ -187,6 +191,8 @@ class RingAttention(torch.autograd.Function):
                 out, lse = part.clone(), part_lse.clone()  # place, and selective checkpointing keeps the products
             else:
                 out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], part, part_lse)
+            if incoming:
+                kv = incoming()
         ctx.group = group
         ctx.save_for_backward(q, k, v, out, lse)
         return out.to(q.dtype)
@@ -198,20 +204,24 @@ class RingAttention(torch.autograd.Function):
         cp, rank, scale = group.size(), group.rank(), q.shape[-1] ** -0.5
         q32, grad = q.float() * scale, grad.float()
         dot = (grad * out).sum(-1, keepdim=True)  # softmax's backward: each row's sum of grad · out
-        dq, kv = torch.zeros_like(q32), (k, v)
+        dq, kv, sums = torch.zeros_like(q32), (k, v), None
         dkv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
         for step in range(cp):
-            if step:
-                kv, dkv = ring_pass(kv, group), ring_pass(dkv, group)
+            incoming = ring_pass(kv, group) if step < cp - 1 else None  # the next block travels meanwhile
             rows, cols, causal = ring_block(rank, (rank - step) % cp, q.shape[2])
             p = (scores(q32[:, :, rows], kv[0][:, :, cols], causal) - lse[:, :, rows]).exp()  # the softmax's weights
             keys, values = (t[:, :, cols].float().repeat_interleave(repeat, dim=1) for t in kv)
             ds = p * (grad[:, :, rows] @ values.transpose(-2, -1) - dot[:, :, rows])  # the scores' gradient
             dq[:, :, rows] += ds @ keys * scale
-            for acc, d in zip(dkv, (ds.transpose(-2, -1) @ q32[:, :, rows], p.transpose(-2, -1) @ grad[:, :, rows]),
-                              strict=True):  # a q head's share summed into its k and v head's
+            parts = ds.transpose(-2, -1) @ q32[:, :, rows], p.transpose(-2, -1) @ grad[:, :, rows]
+            if sums:  # the sums for the block held, from the previous rank, which held it a step ago
+                dkv = sums()
+            for acc, d in zip(dkv, parts, strict=True):  # a q head's share summed into its k and v head's
                 acc[:, :, cols] += d.unflatten(1, (k.shape[1], repeat)).sum(2)
-        dk, dv = ring_pass(dkv, group)  # the last held came from rank + 1: one step more, home
+            sums = ring_pass(dkv, group, tag=1)  # on, with the block: after the last step, one step more, home
+            if incoming:
+                kv = incoming()
+        dk, dv = sums()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
