@@ -223,6 +223,16 @@ HOST_LAYOUTS = {"ddp": (1, []), "fsdp": (1, ["--parallel", "fsdp"]),
                 "fsdp 1 × pp 2": (2, ["--parallel", "fsdp", "--pp", "2", "--grad_accum", "2"])}
 
 
+
+def shown(argv: list[str]) -> str:
+    """train.py's arguments as it reads them: each option once, where it first comes, with the last value given."""
+    options, i = {}, 0
+    while i < len(argv):
+        lone = i + 1 == len(argv) or argv[i + 1].startswith("--")
+        options[argv[i]] = [] if lone else [argv[i + 1]]
+        i += 1 if lone else 2
+    return " ".join(word for option, value in options.items() for word in (option, *value))
+
 def host_cost(train_args: list[str], repeats: int, cores: int) -> None:
     """Each of HOST_LAYOUTS' step time on HOST_SHAPE, in ms: the median of a run's log intervals, then of the
     runs (interleaved, so that a drift in the machine's speed touches every layout alike), with min and max."""
@@ -322,25 +332,25 @@ def main() -> None:
     if args.stop_agreement:
         return stop_agreement(args.world_sizes, args.repeats, cores)
     if args.host:
-        print(f"train.py {' '.join(DEFAULTS + HOST_SHAPE + train_args)}, each layout interleaved, {args.repeats} runs")
+        print(f"train.py {shown(DEFAULTS + HOST_SHAPE + train_args)}, each layout interleaved, {args.repeats} runs")
         return host_cost(train_args, args.repeats, cores)
     if args.layouts:
-        print(f"train.py {' '.join(DEFAULTS + train_args)} --parallel LAYOUT on {args.world_sizes[0]} "
+        print(f"train.py {shown(DEFAULTS + train_args)} --parallel LAYOUT on {args.world_sizes[0]} "
               f"rank{'s' if args.world_sizes[0] > 1 else ''}, each layout interleaved, {args.repeats} runs")
         return compare_layouts(args.world_sizes[0], args.layouts, train_args, args.repeats, cores)
     if args.pp:
-        print(f"train.py {' '.join(DEFAULTS + train_args)} on {args.world_sizes[-1]} ranks: --model mini and "
+        print(f"train.py {shown(DEFAULTS + train_args)} on {args.world_sizes[-1]} ranks: --model mini and "
               "--grad_accum 8 unless given, --parallel fsdp --pp N (one pipeline)")
         return pipelined(args.world_sizes[-1], args.pp, train_args, args.repeats, cores, args.timelines)
     if args.cp:
-        print(f"train.py {' '.join(DEFAULTS + CP_SHAPE + train_args)} --parallel fsdp --cp N --cp_method M on "
-              f"{args.world_sizes[-1]} ranks, {args.repeats} runs each")
+        print(f"train.py {shown(DEFAULTS + CP_SHAPE + train_args)} --parallel fsdp --cp N --cp_method M on "
+              f"{args.world_sizes[-1]} ranks, {args.repeats} run{'s' if args.repeats > 1 else ''} each")
         return context_parallel(args.world_sizes[-1], args.cp, train_args, args.repeats, cores)
     if args.tp:
-        print(f"train.py {' '.join(DEFAULTS + train_args)} on {args.world_sizes[-1]} ranks: --model mini unless "
+        print(f"train.py {shown(DEFAULTS + train_args)} on {args.world_sizes[-1]} ranks: --model mini unless "
               "given, --parallel fsdp --tp T, T × --batch_size per tp group (one global batch)")
         return tensor_parallel(args.world_sizes[-1], args.tp, train_args, args.repeats, cores)
-    print(f"train.py {' '.join(DEFAULTS + train_args)}")
+    print(f"train.py {shown(DEFAULTS + train_args)}")
     print(f"{'ranks':>5} {'threads':>7} {'tokens/s (median)':>18} {'min':>10} {'max':>10} {'per rank':>10} "
           f"{'efficiency':>10}")
     base = None

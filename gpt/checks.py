@@ -55,6 +55,19 @@ class JobError(ValueError):
             f"stopped: {self.who()} found an error: {self.cause}"
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's, but a bad option is its one error line, without the usage before it (--help prints that),
+    printed once under torchrun (by rank 0), and written to torchrun's error file, whose summary shows it in
+    place of `error_file: <N/A>`. Exit 2, as argparse's."""
+
+    def error(self, message: str):
+        line = f"{self.prog}: error: {message}"
+        if os.environ.get("RANK", "0") == "0":
+            print(line, file=sys.stderr, flush=True)
+        elastic_error(line)
+        sys.exit(2)
+
+
 def where() -> str:
     """This rank's host and node (torchrun's agent), as the lines name them."""
     return f"{socket.gethostname()} (node {os.environ.get('GROUP_RANK', '0')})"

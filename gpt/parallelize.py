@@ -49,7 +49,7 @@ def refused_layout(args: argparse.Namespace) -> str | None:
     if args.cp > 1 and args.parallel == "ddp":  # the cp ranks shard the weights: FSDP's groups
         return f"--cp {args.cp} needs --parallel fsdp or hsdp (cp alone: --parallel fsdp --cp N on N ranks)"
     if args.cp > 1 and args.compile:  # it runs (by hand, the same losses), but no test proves it yet: a minute each
-        return f"--cp {args.cp} does not yet go with --compile (issue 60)"
+        return f"--cp {args.cp} does not yet go with --compile (unproven: docs/gpt_context.md)"
     if args.ep > 1 and args.parallel == "ddp":  # the experts' shards need FSDP's groups of what ep leaves
         return f"--ep {args.ep} needs --parallel fsdp or hsdp (ep alone: --parallel fsdp --ep N on N ranks)"
     if args.ep > 1 and args.activation_checkpoint == "selective":  # torch 2.13, measured

@@ -208,7 +208,8 @@ def static_shapes(pipe: pipeline.Pipeline, args: argparse.Namespace, fake: bool)
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=SIZES, default="gpt2", help="gpt/model.py's CONFIGS, and larger ones")
-    p.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp"], default="fsdp", help="as train.py's")
+    p.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp"], default="fsdp",
+                   help="as train.py's, but fsdp by default (train.py's is ddp, as its --model is tiny, here gpt2)")
     p.add_argument("--shard_size", type=int, help="hsdp: data-parallel ranks per shard group (default: a node's "
                                                     "ranks / (--tp × --cp),\n8 GPUs a node when simulated)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel ranks, innermost, as train.py's")

@@ -74,7 +74,7 @@ class Help(argparse.RawTextHelpFormatter):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=Help)
+    p = checks.Parser(description=__doc__.split("\n\n")[0], formatter_class=Help)
     p.add_argument("--model", choices=CONFIGS, help="the model's family and shape (gpt/model.py CONFIGS; default: "
                                                     "tiny, or --init_from's)")
     p.add_argument("--data", default="synthetic", help="synthetic, a text file, or a folder of shards:\n"

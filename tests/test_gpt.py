@@ -27,7 +27,7 @@ import torch
 import workers
 from docs_blocks import rerun, succeeded
 from harness import spawn, torchrun_in_process
-from launch import REPO, run
+from launch import REPO, TORCHRUN, run
 from test_errors import run_main
 
 sys.path.insert(0, str(REPO))  # gpt.model and gpt.data, which import nothing of the project
@@ -497,6 +497,18 @@ def test_bad_input_gets_one_line_and_a_non_zero_exit(argv, error, text_file):
     assert len(said) == 1 and "Traceback" not in result.stderr, result.stderr
 
 
+def test_a_mistyped_option_under_torchrun_is_said_once_and_in_torchruns_summary(tmp_path):
+    """Under torchrun (launched whole: its summary is what is tested), argparse's error once, by rank 0, without the
+    usage; each worker's error file holds it, so torchrun's summary names it, not `error_file: <N/A>`."""
+    result = run([TORCHRUN, "--standalone", "--nproc-per-node", "2", str(REPO / TRAIN), "--parallel", "fdsp"],
+                 cwd=tmp_path, timeout=90)
+    line = "train.py: error: argument --parallel: invalid choice: 'fdsp'"
+    assert result.returncode == 1 and "usage:" not in result.stderr, result.stderr
+    said = [said for said in result.stderr.splitlines() if said.startswith("train.py: error:")]
+    assert len(said) == 1 and said[0].startswith(line) and not list(tmp_path.iterdir()), result.stderr
+    assert result.stderr.count(f"traceback : {line}") == 2 and "<N/A>" not in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize(("nproc", "argv", "error"), [
     (3, ["--tp", "3"], "--tp 3 does not divide the model's n_head, 2"),
     (2, ["--tp", "2", "--data", "{text}", "--vocab_size", "255"], "--tp 2 does not divide the model's vocab_size, 255"),
@@ -707,8 +719,7 @@ def test_bench_prints_each_world_size_and_an_efficiency_recomputable_from_its_fi
     rows = [line.split() for line in stdout.splitlines() if re.match(r"\s+\d+\s+\d+\s+[\d,]+", line)]
     assert [row[0] for row in rows] == ["1", "2"]
     assert [row[2] for row in rows] == ["1,000", "1,800"] and [row[-1] for row in rows] == ["100%", "90%"]
-    assert "train.py --max_steps 60 --log_every 10 --eval_every 1000000 --val_tokens 64 --save_every 0 --max_steps 12" \
-        in stdout
+    assert "train.py --max_steps 12 --log_every 4 --eval_every 1000000 --val_tokens 64 --save_every 0\n" in stdout
     assert [c[c.index("--nproc-per-node") + 1] for c in commands] == ["1", "2"]
 
 
