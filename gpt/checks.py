@@ -154,7 +154,7 @@ def agree(found: str | None) -> None:
         raise JobError(every[finders[0]][0], finders, [host for _, host in every])
 
 
-PER_HOST = ("data", "out_dir", "export", "init_from")  # options that may name a path otherwise on another host
+PER_HOST = ("data", "out_dir", "export", "init_from", "config")  # options whose paths another host may mount elsewhere
 
 
 def arguments_and_data(args: argparse.Namespace, world_size: int) -> tuple[data.Tokens, GPTConfig]:

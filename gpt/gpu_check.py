@@ -89,10 +89,10 @@ def records(out_dir: str) -> list[dict]:
 
 
 def recompiles_after_first_log(output: str) -> list[str]:
-    """dynamo's recompilation messages printed after the first `step N | loss` line and before the
+    """dynamo's recompilation messages printed after the first `step N/M | loss` line and before the
     last one: the compiled steps must not compile again (evaluation, after, may)."""
     lines = output.splitlines()
-    logs = [i for i, line in enumerate(lines) if re.match(r"step \d+ \| loss ", line)]
+    logs = [i for i, line in enumerate(lines) if re.match(r"step \d+/\d+ \| loss ", line)]
     return [line for line in lines[logs[0]:logs[-1]] if "Recompiling function" in line] if logs else []
 
 
@@ -111,7 +111,7 @@ def check(name: str, runs: list[list[str]], out: str, timeout: float) -> tuple[b
     if name == "sigterm":
         process = torchrun(runs[0], logs[0])
         deadline = time.monotonic() + timeout
-        while "step 30 |" not in open(logs[0]).read() and process.poll() is None and time.monotonic() < deadline:
+        while "step 30/" not in open(logs[0]).read() and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
         if process.poll() is not None:
             return False, f"train.py ended before step 30 (see {logs[0]})"

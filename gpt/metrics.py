@@ -1,4 +1,5 @@
-"""What train.py's log lines report beside the loss: MFU's peak, the memory peaks, and metrics.jsonl."""
+"""What train.py's log lines report beside the loss: MFU's peak, the memory peaks, the time left, and
+metrics.jsonl."""
 import argparse
 import json
 import math
@@ -43,6 +44,15 @@ def peak_memory(device: torch.device) -> tuple[dict, str]:
     fields = dict(zip(names, (value / 2**30 for value in largest.tolist()), strict=True))
     words = " / ".join(f"{value:.2f}" for value in fields.values())
     return fields, f"mem {words} GiB" + (" (allocated / reserved)" if device.type == "cuda" else " (rss)")
+
+
+def time_left(seconds: float) -> str:
+    """The log line's time to the last step at the last interval's pace: 42s left, 3m05s, 2h05m, 3d04h."""
+    seconds = round(seconds)
+    for unit, size, small, small_size in (("d", 86400, "h", 3600), ("h", 3600, "m", 60), ("m", 60, "s", 1)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}{seconds % size // small_size:02d}{small} left"
+    return f"{seconds}s left"
 
 
 def json_line(record: dict) -> str:

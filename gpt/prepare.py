@@ -8,13 +8,15 @@ line, its --text_field), or --dataset: a Hugging Face data set, a hub name or a 
 order. A text file is one document. Each document is tokenized with an end-of-text token before it (GPT-2's and
 Qwen3's way); with a tokenizer that has a begin-of-text token (Llama 3's <|begin_of_text|>), between that token and
 the end-of-text one (<|end_of_text|>), as torchtitan's Llama 3 data are. Then the stream is cut into llm.c's shards,
-as its fineweb.py cuts them: NAME_val_000000.bin holds the first --val_tokens tokens, NAME_train_000001.bin and on
-the rest, --shard_tokens each (the last shorter); NAME is --out_dir's last part. Their header (gpt/data.py reads
+as its fineweb.py cuts them: NAME_val_000000.bin holds the first --val_tokens tokens (131,072, or a tenth of a
+smaller corpus), NAME_train_000001.bin and on the rest, --shard_tokens each (the last shorter); NAME is --out_dir's
+last part. Their header (gpt/data.py reads
 both): magic 20240520 version 1 and uint16 ids where every id of the tokenizer fits (a vocabulary of at most
 65,536), else magic 20240801 version 7 and uint32.
 
 --tokenizer: a tiktoken encoding by name (gpt2, cl100k_base, o200k_base, or one a tiktoken_ext plugin adds), or
-a Hugging Face tokenizer.json (a file, or a hub name such as openai-community/gpt2, which needs the network).
+a Hugging Face tokenizer.json (a file, or a hub name such as openai-community/gpt2, which needs the network); or
+--train_tokenizer VOCAB: a byte-level BPE of VOCAB ids trained on the inputs, with no network.
 DIR/prepare.json records it (and DIR/tokenizer.json, a copy of the file): train.py takes its vocabulary from it
 and puts it into --export's file, where sample.py reads it to turn text into ids and back, and hf.py writes it
 beside the weights.
@@ -49,6 +51,7 @@ EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")  # GPT-2 and O
 BOS_NAMES = ("<|begin_of_text|>",)  # Llama 3's: each document then begins with it and ends with the end of text
 INSTALL = "pip install -r requirements-hf.txt"
 TEXT = (".txt", ".md", ".jsonl")  # what a folder's files are read
+VAL_TOKENS = 131072  # the val shard's, by default; a corpus of at most these many gives a tenth of itself
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,11 +61,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "INPUT: its --dataset_split's --text_field, streamed in order (requirements-hf.txt)")
     p.add_argument("--dataset_config", help="the data set's configuration (a subset), if it has several")
     p.add_argument("--dataset_split", default="train", help="its split (default: train)")
-    p.add_argument("--tokenizer", required=True, help="a tiktoken encoding's name, or a tokenizer.json (file or hub)")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--tokenizer", help="a tiktoken encoding's name, or a tokenizer.json (file or hub)")
+    which.add_argument("--train_tokenizer", type=int, metavar="VOCAB", help="instead: train a byte-level BPE of "
+                       "VOCAB ids on the inputs (offline; tokenizers), saved as OUT_DIR/tokenizer.json")
     p.add_argument("--out_dir", required=True, help="the folder of shards (train.py's --data)")
     p.add_argument("--text_field", default="text", help="the field of a .jsonl line that holds its text")
     p.add_argument("--eot", help=f"the end-of-text token (default: the first of {', '.join(EOT_NAMES)} it has)")
-    p.add_argument("--val_tokens", type=int, default=131072, help="tokens in the val shard (default: 131072)")
+    p.add_argument("--val_tokens", type=int, help=f"tokens in the val shard (default: {VAL_TOKENS}, or a tenth of a "
+                                                  f"corpus of at most {VAL_TOKENS} tokens)")
     p.add_argument("--shard_tokens", type=int, default=10**8, help="tokens in a train shard (default: 1e8, llm.c's)")
     p.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizing processes (default: every core)")
     p.add_argument("--bench", action="store_true", help="print the tokens/s at 1 and --workers workers, and the "
@@ -70,8 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if bool(args.inputs) == bool(args.dataset):
         p.error("give INPUT files or folders, or --dataset, not both")
+    if args.train_tokenizer is not None and args.train_tokenizer < 257:
+        p.error(f"--train_tokenizer {args.train_tokenizer}: at least 257 ids (the 256 bytes and <|endoftext|>)")
     for name in ("val_tokens", "shard_tokens", "workers"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
     return args
 
@@ -100,12 +109,38 @@ def load_tokenizer(spec: str, eot_name: str | None = None) -> dict:
             record = {"kind": "tokenizers", "name": spec, "json": _from_hub(spec)}
         except OSError:  # its table is downloaded on first use (requests' errors are OSErrors)
             raise ValueError(f"--tokenizer {spec}: tiktoken downloads its table on first use, which failed here: "
-                             "run once where the network is reachable, or give a tokenizer.json") from None
+                             "run once where the network is reachable, give a tokenizer.json, or train one on "
+                             "the inputs: --train_tokenizer VOCAB") from None
+    return completed(record, f"--tokenizer {spec}", eot_name)
+
+
+def trained_tokenizer(args: argparse.Namespace, inputs: list[str]) -> dict:
+    """A byte-level BPE (GPT-2's kind, every byte a token) of --train_tokenizer ids trained by `tokenizers` on the
+    documents, <|endoftext|> its special token: no download, as nanochat trains its own. The same documents train
+    the same one, so that the same command again finds its folder's tokenizer unchanged."""
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError:
+        raise ValueError(f"--train_tokenizer needs tokenizers: {INSTALL}") from None
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    work = streamed(args) if args.dataset else documents(inputs, args.text_field)
+    tokenizer.train_from_iterator((text for _, text in work), trainers.BpeTrainer(
+        vocab_size=args.train_tokenizer, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    record = {"kind": "tokenizers", "name": f"--train_tokenizer {args.train_tokenizer}",
+              "json": tokenizer.to_str()}
+    return completed(record, "--train_tokenizer", args.eot)
+
+
+def completed(record: dict, spec: str, eot_name: str | None) -> dict:
+    """A tokenizer's record with its vocabulary size and its end-of-text and begin-of-text ids."""
     _, _, special, size = codec(record)
     eot = special.get(eot_name) if eot_name else next((special[n] for n in EOT_NAMES if n in special), None)
     if eot is None:
         named = f"named {eot_name!r}" if eot_name else "of " + ", ".join(EOT_NAMES)
-        raise ValueError(f"--tokenizer {spec}: no end-of-text token {named}: name its own with --eot")
+        raise ValueError(f"{spec}: no end-of-text token {named}: name its own with --eot")
     bos = next((special[n] for n in BOS_NAMES if n in special), None)
     return {**record, "vocab_size": size, "eot": eot, **({"bos": bos} if bos is not None else {})}
 
@@ -320,11 +355,11 @@ def prepare(args: argparse.Namespace) -> str:
     inputs = files(args.inputs)
     if not inputs and not args.dataset:
         raise ValueError(f"{' '.join(args.inputs)}: no {', '.join(TEXT)} file in it")
-    tokenizer = load_tokenizer(args.tokenizer, args.eot)
+    tokenizer = trained_tokenizer(args, inputs) if args.train_tokenizer else load_tokenizer(args.tokenizer, args.eot)
     settings = {"inputs": [[os.path.abspath(p), os.path.getsize(p), os.stat(p).st_mtime_ns] for p in inputs]
                 or [args.dataset, args.dataset_config, args.dataset_split],
                 "tokenizer": {k: v for k, v in tokenizer.items() if k != "json"}, "text_field": args.text_field,
-                "val_tokens": args.val_tokens, "shard_tokens": args.shard_tokens}
+                "val_tokens": args.val_tokens or VAL_TOKENS, "shard_tokens": args.shard_tokens}
     if "json" in tokenizer:  # its file's text, not only its path
         settings["tokenizer"]["sha256"] = hashlib.sha256(tokenizer["json"].encode()).hexdigest()
     if os.path.isfile(os.path.join(out, RECORD)):
@@ -352,16 +387,17 @@ def prepare(args: argparse.Namespace) -> str:
     record["shards"] = whole[:next((i for i, s in enumerate(whole) if s["name"] != _name(name, i)), len(whole))]
     begin, skip = record["shards"][-1]["next"] if record["shards"] else (0, 0)
     shard, buffer, held, total = len(record["shards"]), [], 0, 0
+    val, where = args.val_tokens or VAL_TOKENS, []  # where: each piece's document and its first token's place
 
     def flush(next_start: tuple[int, int]) -> None:
-        nonlocal shard, buffer, held
+        nonlocal shard, buffer, held, where
         if shard == 0 and "json" in tokenizer:
             with open(os.path.join(out, TOKENIZER_FILE), "w", encoding="utf-8") as file:
                 file.write(tokenizer["json"])
         write_shard(os.path.join(out, _name(name, shard)), np.concatenate(buffer), dtype)
         record["shards"].append({"name": _name(name, shard), "tokens": held, "next": next_start})
         _save(record, os.path.join(out, RECORD))
-        shard, buffer, held = shard + 1, [], 0
+        shard, buffer, held, where = shard + 1, [], 0, []
 
     def undo() -> None:
         """What this run wrote, removed (a failure before any train shard: as if never begun)."""
@@ -378,11 +414,12 @@ def prepare(args: argparse.Namespace) -> str:
             bar.update(len(ids))
             at = skip if index == begin else 0
             while at < len(ids):
-                room = (args.val_tokens if shard == 0 else args.shard_tokens) - held
+                room = (val if shard == 0 else args.shard_tokens) - held
                 piece = ids[at:at + room]
                 buffer.append(piece)
+                where.append((index, at))
                 held, at, total = held + len(piece), at + len(piece), total + len(piece)
-                if held == (args.val_tokens if shard == 0 else args.shard_tokens):
+                if held == (val if shard == 0 else args.shard_tokens):
                     flush((index, at) if at < len(ids) else (index + 1, 0))
             done = index + 1
     except ValueError:  # a file that is not text, a bad line: where nothing is recorded yet, nothing is left
@@ -390,20 +427,30 @@ def prepare(args: argparse.Namespace) -> str:
             undo()
         raise
     bar.close()
+    share = held > 1 and shard == 0 and args.val_tokens is None  # a corpus of at most VAL_TOKENS: a tenth is val's
+    if share:
+        ids, sizes, val = np.concatenate(buffer), [len(piece) for piece in buffer], max(1, held // 10)
+        before = np.cumsum([0] + sizes)  # the tokens before each piece; the train shard starts in the first past val
+        i = int(np.searchsorted(before, val, side="right")) - 1
+        rest, buffer, held = ids[val:], [ids[:val]], val
+        flush((where[i][0], where[i][1] + val - int(before[i])))
+        buffer, held = [rest], len(rest)
     if held:
         flush((done, 0))
     if len(record["shards"]) < 2:  # no train shard
         count = sum(s["tokens"] for s in record["shards"])
         undo()
         raise ValueError(f"{' '.join(args.inputs) or args.dataset}: {count:,} tokens in all, none left to train "
-                         f"on after --val_tokens {args.val_tokens:,}: {'give fewer' if count else 'no text in it'}")
+                         f"on after --val_tokens {args.val_tokens or VAL_TOKENS:,}: "
+                         f"{'give fewer' if count else 'no text in it'}")
     record["done"] = True
     _save(record, os.path.join(out, RECORD))
     seconds = time.perf_counter() - started
     train = record["shards"][1:]
     shards = f"{len(train)} shard{'s' if len(train) > 1 else ''}"
-    return (f"{out}: val 1 shard {record['shards'][0]['tokens']:,} tokens, train {shards} "
-            f"{sum(s['tokens'] for s in train):,} tokens ({record['format']}, tokenizer {args.tokenizer}, vocab "
+    return (f"{out}: val 1 shard {record['shards'][0]['tokens']:,} tokens"
+            f"{f' (a tenth of a corpus under --val_tokens {VAL_TOKENS:,})' if share else ''}, train {shards} "
+            f"{sum(s['tokens'] for s in train):,} tokens ({record['format']}, tokenizer {tokenizer['name']}, vocab "
             f"{tokenizer['vocab_size']:,}); {total:,} tokens written in {seconds:.1f} s: {total / seconds:,.0f} "
             f"tokens/s on {args.workers} worker{'s' if args.workers > 1 else ''}")
 
@@ -441,7 +488,8 @@ def bench(args: argparse.Namespace) -> None:
     on the same documents (no shards written), each into a fresh temporary folder."""
     import tempfile
 
-    tokenizer = load_tokenizer(args.tokenizer, args.eot)
+    tokenizer = trained_tokenizer(args, files(args.inputs)) if args.train_tokenizer else \
+        load_tokenizer(args.tokenizer, args.eot)
     rows = streamed(args) if args.dataset else documents(args.inputs, args.text_field)
     encode, texts = codec(tokenizer)[0], [text for _, text in rows]
     started = time.perf_counter()
@@ -452,7 +500,7 @@ def bench(args: argparse.Namespace) -> None:
             started = time.perf_counter()
             prepare(argparse.Namespace(**{**vars(args), "workers": workers, "out_dir": os.path.join(folder, "b")}))
             rates[f"prepare.py, {workers} worker{'s' if workers > 1 else ''}"] = count / (time.perf_counter() - started)
-    print(f"{count:,} tokens of {len(texts):,} documents, tokenizer {args.tokenizer}, {os.cpu_count()} cores")
+    print(f"{count:,} tokens of {len(texts):,} documents, tokenizer {tokenizer['name']}, {os.cpu_count()} cores")
     for what, rate in rates.items():
         print(f"  {what:<32} {rate:>12,.0f} tokens/s")
 

@@ -41,12 +41,14 @@ import checks
 import context
 import data
 import hf
+import options
 import parallelize
 import pipeline
+import trackers
 from checkpoint import Checkpoints
 from checks import weights_are_finite
-from metrics import json_line, open_metrics, peak_flops, peak_memory
-from model import CONFIGS, GPT, GPTConfig, export
+from metrics import peak_flops, peak_memory, time_left
+from model import GPT, GPTConfig, export
 from optimizer import make_optimizer
 from parallelize import DTYPES
 from stop import StopRequest
@@ -55,97 +57,15 @@ from stop import StopRequest
 RUN = ("data", "max_steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "seed", "batch_size",
        "grad_accum", "parallel", "tp", "pp", "pp_schedule", "ep", "cp", "cp_method", "precision")
 GC_EVERY = 100  # steps between garbage collections, on every rank at once
-def steps_range(text: str) -> tuple[int, int]:
-    """--profile's A:B: the first and last step to trace, 1 <= A <= B."""
-    first, _, last = text.partition(":")
-    if not (first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
-        raise argparse.ArgumentTypeError(f"{text!r} is not A:B with 1 <= A <= B (steps, e.g. 10:12)")
-    return int(first), int(last)
 
 
-class Help(argparse.RawTextHelpFormatter):
-    """--help as written, each option's default added where it has one and its help names none (argparse's
-    ArgumentDefaultsHelpFormatter's hook, without its "default: None" and "default: False")."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        if "default" in action.help or any(action.default is no for no in (None, False, argparse.SUPPRESS)):
-            return action.help
-        return action.help + " (default: %(default)s)"
+def parser() -> argparse.ArgumentParser:
+    return options.parser(__doc__.split("\n\n")[0])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = checks.Parser(description=__doc__.split("\n\n")[0], formatter_class=Help)
-    p.add_argument("--model", choices=CONFIGS, help="the model's family and shape (gpt/model.py CONFIGS; default: "
-                                                    "tiny, or --init_from's)")
-    p.add_argument("--data", default="synthetic", help="synthetic, a text file, or a folder of shards:\n"
-                                                       "nanoGPT's train.bin and val.bin, or llm.c's NAME_train_N.bin "
-                                                       "and NAME_val_N.bin")
-    p.add_argument("--data_dtype", choices=["uint16", "uint32"], help="the width of raw .bin ids, which have no "
-                                                                      "header (default: uint16);\nllm.c's shards "
-                                                                      "say theirs")
-    p.add_argument("--vocab_size", type=int, help="token ids below this (default: 64 synthetic, 256 text, 50304 DIR;\n"
-                                                  "prepare.py's shards: its tokenizer's, rounded up to 64)")
-    p.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp"], default="ddp",
-                   help="ddp: a replica per rank (at one rank, the model alone: no DDP);\n"
-                        "fsdp: every block sharded over all ranks;\n"
-                        "hsdp: sharded within groups of --shard_size ranks, replicated across them")
-    p.add_argument("--shard_size", type=int, help="hsdp: data-parallel ranks per shard group, a tp or cp group "
-                                                    "counting once\n(default: a node's ranks / (--tp × --cp))")
-    p.add_argument("--tp", type=int, default=1, help="fsdp, hsdp: tensor parallel over groups of this many "
-                                                      "neighbouring ranks,\nwhich read the same batch (1: none)")
-    p.add_argument("--pp", type=int, default=1, help="fsdp, hsdp: pipeline parallel over this many ranks (far "
-                                                      "apart), which read the same\nbatch in --grad_accum "
-                                                      "micro-batches (1F1B: at least --pp of them; 1: none)")
-    p.add_argument("--ep", type=int, default=1, help="fsdp, hsdp: expert parallel over groups of this many data-"
-                                                      "parallel ranks,\neach holding n_expert / ep experts (1: none)")
-    p.add_argument("--cp", type=int, default=1, help="fsdp, hsdp: context parallel: each sequence split over groups "
-                                                      "of this many ranks,\nwhich read the same batch and shard the "
-                                                      "weights with FSDP's (1: none)")
-    p.add_argument("--cp_method", choices=context.METHODS,
-                   help="--cp's attention: allgather (the default), each rank's k and v gathered from the others;\n"
-                        "ulysses, "
-                        "all-to-alls that trade the sequence split for a head split;\nring, k and v passed from "
-                        "rank to rank")
-    p.add_argument("--pp_schedule", choices=pipeline.SCHEDULES,
-                   help="--pp's schedule, torch.distributed.pipelining's (default: 1F1B); Interleaved1F1B,\n"
-                        "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble and DualPipeV hold two stages per rank")
-    p.add_argument("--max_steps", type=int, default=300, help="optimizer steps in the whole run")
-    p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per micro-step (a tp group, a cp "
-                                                              "group or a pipeline counting once)")
-    p.add_argument("--grad_accum", type=int, default=1, help="micro-steps per optimizer step")
-    p.add_argument("--seq_len", type=int, default=64, help="tokens per sequence")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate, after warmup")
-    p.add_argument("--min_lr", type=float, help="the learning rate at the end of the cosine (default: lr / 10)")
-    p.add_argument("--warmup_steps", type=int, default=20, help="steps of linear warmup from 0 to --lr")
-    p.add_argument("--weight_decay", type=float, default=0.1, help="AdamW's, on matrices only")
-    p.add_argument("--grad_clip", type=float, default=1.0, help="clip the gradient's global norm to this; 0: never")
-    p.add_argument("--precision", choices=DTYPES, default="fp32", help="the compute dtype; weights stay fp32")
-    p.add_argument("--compile", action="store_true", help="torch.compile each block, and the head with its loss "
-                                                          "(under --pp the blocks only;\nnot under the schedules "
-                                                          "that split a backward in two)")
-    p.add_argument("--activation_checkpoint", choices=["none", "full", "selective"], default="none",
-                   help="per block: keep only its input for backward and run it again there (full), or keep\n"
-                        "the matrix products' and attention's results and recompute the rest (selective)")
-    p.add_argument("--seed", type=int, default=0, help="the initial weights and the order of the batches")
-    p.add_argument("--init_from", metavar="DIR", help="start from a Hugging Face folder's model: GPT-2, Llama or "
-                   "Qwen3, its shape\nfrom its config.json (gpt/hf.py; a checkpoint in OUT_DIR comes first)")
-    p.add_argument("--log_every", type=int, default=10, help="steps per log line (1: every step)")
-    p.add_argument("--eval_every", type=int, default=100, help="steps between evaluations (and at the end)")
-    p.add_argument("--val_tokens", type=int, default=32768, help="tokens evaluated, at most what the val split "
-                                                                  "holds")
-    p.add_argument("--out_dir", default="out", help="metrics.jsonl and checkpoints; a run resumes from the "
-                                                    "newest checkpoint here")
-    p.add_argument("--save_every", type=int, default=100, help="steps between checkpoints in OUT_DIR (0: only at "
-                                                               "the end)")
-    p.add_argument("--keep", type=int, default=2, help="checkpoints kept; older ones are deleted")
-    p.add_argument("--export", help="write the whole model here at the end, for GPT.load (gpt/model.py)")
-    p.add_argument("--peak_tflops", type=float, help="the GPU's peak, for MFU (default: from its name)")
-    p.add_argument("--timeout", type=float, help="seconds a collective may wait (default: torch's, 10 min on\n"
-                                                       "nccl, 30 min on gloo); also the saves' and the stop's waits "
-                                                       "(default: 30 min)")
-    p.add_argument("--profile", type=steps_range, metavar="A:B", help="write a torch.profiler trace of steps A to B "
-                                                                      "per rank to OUT_DIR/profile (Perfetto opens it)")
-    args = p.parse_args(argv)
+    p = parser()
+    args = p.parse_args(options.with_file(p, sys.argv[1:] if argv is None else argv))
     args.model = "tiny" if args.model is None and args.init_from is None else args.model
     for name in ("max_steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_every", "val_tokens",
                  "vocab_size", "keep"):
@@ -168,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--seed must be below 2**64 (torch.manual_seed's range)")
     if args.vocab_size is not None and args.data == "synthetic":
         p.error(f"--vocab_size is for files; the synthetic data has {data.SYNTHETIC_VOCAB} tokens")
+    if refused := trackers.missing(args):
+        p.error(refused)
     if refused := parallelize.refused_layout(args):  # simulate.py refuses the same: one function
         p.error(refused)
     return args
@@ -301,7 +223,9 @@ def resume(args: argparse.Namespace, checkpoints: Checkpoints, parts: list[torch
     if manifest["scaler"]:
         scaler.load_state_dict(manifest["scaler"])
     if rank == 0:
-        print(f"resuming from {folder}: step {manifest['step']} of {args.max_steps}", flush=True)
+        print(f"resuming from {folder}: step {manifest['step']} of {args.max_steps}" + (
+            ": the run had finished, and nothing is trained (a larger --max_steps trains on)"
+            if manifest["step"] == args.max_steps else ""), flush=True)
         world_size = dist.get_world_size()
         run = {**{f"--{name}": getattr(args, name) for name in RUN}, "ranks": world_size,
                "global batch": args.batch_size * args.grad_accum * world_size // (args.tp * args.pp * args.cp)}
@@ -414,6 +338,10 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
                   "cross them", flush=True)
         for line in [no_lock] if no_lock else []:
             print(line, flush=True)
+        if args.warmup_steps >= args.max_steps:  # said, not refused: a short test run may mean it
+            print(f"--warmup_steps {args.warmup_steps} spans the whole run (--max_steps {args.max_steps}): the "
+                  f"learning rate rises to {lr_at(args.max_steps - 1, args):.2e} at the last step, with no decay",
+                  flush=True)
         if len(val_starts) < max(1, args.val_tokens // args.seq_len) and len(tokens.val) < args.val_tokens:
             print(f"validation: {len(val_starts) * args.seq_len:,} tokens, what the val split's {len(tokens.val):,} "
                   f"tokens hold in windows of --seq_len (--val_tokens {args.val_tokens:,} asks more)", flush=True)
@@ -421,7 +349,9 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
             print(f"no mfu: the peak of {torch.cuda.get_device_name(device)} is not known; give --peak_tflops",
                   flush=True)
     first_step = resume(args, checkpoints, parts, optimizers, scaler, config, rank)
-    metrics = open_metrics(args.out_dir, first_step) if rank == 0 else None
+    metrics = trackers.Trackers(args, first_step) if rank == 0 else None  # metrics.jsonl, TensorBoard
+    if rank == 0:  # what this run resolved, once it is OUT_DIR's run: --config OUT_DIR/config.toml reruns it
+        options.save(args, parser(), os.path.join(args.out_dir, "config.toml"))
     if isinstance(model, DDP) and first_step < args.max_steps:
         starts = data.batch_starts(first_step, args.seed, len(tokens.train), args.seq_len, global_batch)
         x = data.windows(tokens.train, starts[:args.batch_size], args.seq_len, device)[0]
@@ -430,7 +360,7 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
     def log(record: dict, line: str) -> None:
         if rank == 0:  # after every rank's collective: never a collective inside this guard
             print(line, flush=True)
-            metrics.write(json_line(record))  # strict JSON: a value that is not finite is null
+            metrics.write(record)
 
     def save(step: int) -> None:
         extra = {"config": asdict(config), "run": {**{f"--{n}": getattr(args, n) for n in RUN}, "ranks": world_size,
@@ -493,8 +423,8 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
                     not_finite(f"the loss ({loss}), the gradient's norm ({grad_norm.item()}) or the weights", step)
                 record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
                           "tokens_per_s": tokens_per_s}
-                line = (f"step {step + 1} | loss {loss:.4f} | lr {lr:.2e} | grad_norm {grad_norm.item():.3f} | "
-                        f"{tokens_per_s:,.0f} tok/s")
+                line = (f"step {step + 1}/{args.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad_norm "
+                        f"{grad_norm.item():.3f} | {tokens_per_s:,.0f} tok/s")
                 record, line = parallelize.moe_metrics(model, record, line)  # the experts' figures, if any
                 if peak:
                     record["mfu"] = tokens_per_s * flops_per_token / (world_size * peak)
@@ -511,7 +441,8 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
                 if args.cp_method == "ring":  # every rank: one all-reduce
                     record, line = context.wait_metrics(record, line, interval, device)
                 memory, words = peak_memory(device)
-                log({**record, **memory}, f"{line} | {words}")
+                left = "" if done else f" | {time_left((args.max_steps - step - 1) * interval / steps_since_log)}"
+                log({**record, **memory}, f"{line} | {words}{left}")
                 loss_sum.zero_()
                 steps_since_log = 0
             if (step + 1) % args.eval_every == 0 or done:

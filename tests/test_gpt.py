@@ -362,8 +362,8 @@ def test_the_proof_fails_without_the_gradient_reduction(parallel):
 
 DOCUMENTED = "torchrun --standalone --nproc-per-node 2 gpt/train.py --model tiny"  # docs/gpt_job.md
 VAL_LINE = re.compile(r"^step (\d+) \| val_loss ([\d.]+)(?: \| floor ([\d.]+))?", re.MULTILINE)
-LOG_LINE = re.compile(r"^step (\d+) \| loss ([\d.]+) \| lr ([\d.e+-]+) \| grad_norm ([\d.]+) \| ([\d,]+) tok/s "
-                      r"\| mem ([\d.]+) GiB \(rss\)$", re.MULTILINE)
+LOG_LINE = re.compile(r"^step (\d+)/300 \| loss ([\d.]+) \| lr ([\d.e+-]+) \| grad_norm ([\d.]+) \| ([\d,]+) tok/s "
+                      r"\| mem ([\d.]+) GiB \(rss\)(?: \| (\d+s|\d+m\d\ds) left)?$", re.MULTILINE)
 
 
 def import_gpt(script: str = "train"):
@@ -391,7 +391,8 @@ def test_the_documented_run_reaches_the_floor_and_metrics_hold_what_the_lines_pr
     assert [r["step"] for r in logged] == list(range(10, 301, 10))
     lines = LOG_LINE.findall(stdout)
     assert len(lines) == len(logged)
-    for (step, loss, lr, grad_norm, tokens_per_s, memory), record in zip(lines, logged, strict=True):
+    assert [bool(left) for *_, left in lines] == [True] * 29 + [False]  # the time to the end, but at the end
+    for (step, loss, lr, grad_norm, tokens_per_s, memory, _), record in zip(lines, logged, strict=True):
         assert int(step) == record["step"] and set(record) == {"step", "loss", "lr", "grad_norm", "tokens_per_s",
                                                               "peak_rss_gib"}
         assert loss == f"{record['loss']:.4f}" and lr == f"{record['lr']:.2e}"

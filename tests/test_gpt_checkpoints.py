@@ -72,7 +72,8 @@ def assert_bitwise(path: Path, reference: Path) -> None:
 
 def test_checkpoints_are_whole_kept_and_listed_in_their_manifest(uninterrupted):
     out = uninterrupted[2] / "out"
-    assert sorted(p.name for p in out.iterdir()) == ["lock", "metrics.jsonl", "step_00000020", "step_00000024"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.toml", "lock", "metrics.jsonl", "step_00000020",
+                                                     "step_00000024"]
     manifest = json.loads((out / "step_00000024" / "manifest.json").read_text())
     assert manifest["step"] == 24 and manifest["run"]["ranks"] == 2
     assert set(manifest["files"]) == {p.name for p in (out / "step_00000024").iterdir()} - {"manifest.json"}
@@ -234,7 +235,7 @@ def test_sigterm_saves_the_step_in_flight_and_the_same_command_finishes_the_run(
                str(tmp_path / "out"), "--export", str(tmp_path / "model.pt")]
     group = Group(tmp_path)
     torchrun = group.start(command, env={**INJECT, "SLOW_STEP": "0.25"})
-    group.wait_for(0, "step 6 |", timeout=60)
+    group.wait_for(0, "step 6/", timeout=60)
     workers = sorted(descendants(torchrun.pid))  # torchrun starts the workers in rank order
     for pid in [torchrun.pid, *workers] if to == "all" else workers[-1:]:
         os.kill(pid, signal.SIGTERM)
@@ -244,7 +245,7 @@ def test_sigterm_saves_the_step_in_flight_and_the_same_command_finishes_the_run(
     stopped = re.search(r"stopped by SIGTERM after step (\d+): saved (\S+);", group.stdout(0))
     assert stopped, group.stdout(0)[-2000:] + group.stderr(0)[-2000:]
     step = int(stopped[1])
-    last_logged = max(int(s) for s in re.findall(r"^step (\d+) \| loss", group.stdout(0), re.MULTILINE))
+    last_logged = max(int(s) for s in re.findall(r"^step (\d+)/24 \| loss", group.stdout(0), re.MULTILINE))
     assert 6 <= step == last_logged < 24 and stopped[2].endswith(f"step_{step:08d}")  # the step in flight, saved
     assert not (tmp_path / "model.pt").exists()  # --export is for the model at --max_steps
     # The same command again (its ranks' main() in the harness: torchrun's part, the signal, is done)
@@ -255,8 +256,10 @@ def test_sigterm_saves_the_step_in_flight_and_the_same_command_finishes_the_run(
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
+    """OUT_DIR's files but those each run that starts training writes: its log, its lock, and the options it ran
+    with (config.toml)."""
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
-            and p.name not in ("metrics.jsonl", "lock")}
+            and p.name not in ("metrics.jsonl", "lock", "config.toml")}
 
 
 @pytest.mark.parametrize(("damage", "said"), [
@@ -448,7 +451,7 @@ def test_a_kill_9_of_torchrun_stops_its_workers_which_save_the_step_in_flight(tm
     group = Group(tmp_path)
     agent = group.start([TORCHRUN, "--standalone", "--nproc-per-node", "2", TRAIN, *ARGV, *split(2),
                          "--max_steps", "100000", "--out_dir", str(tmp_path / "out")])
-    group.wait_for(0, "step 3 ", timeout=90)
+    group.wait_for(0, "step 3/", timeout=90)
     workers = descendants(agent.pid)
     assert workers
     os.kill(agent.pid, signal.SIGKILL)

@@ -64,8 +64,8 @@ def test_the_profile_writes_a_trace_per_rank_with_each_step_and_the_host_waits_a
 
 
 def test_a_recompilation_between_the_first_and_last_log_lines_is_found():
-    output = ["Recompiling function forward (at start-up: allowed)", "step 10 | loss 9.1", "step 20 | loss 8.0",
-              "V1127 ... Recompiling function forward in block.py", "step 30 | loss 7.5",
+    output = ["Recompiling function forward (at start-up: allowed)", "step 10/30 | loss 9.1", "step 20/30 | loss 8.0",
+              "V1127 ... Recompiling function forward in block.py", "step 30/30 | loss 7.5",
               "Recompiling function forward (evaluation: allowed)"]
     assert recompiles_after_first_log("\n".join(output)) == [output[3]]
     assert recompiles_after_first_log("\n".join(output[:3] + output[4:])) == []

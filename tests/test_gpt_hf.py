@@ -20,6 +20,7 @@ from harness import torchrun_in_process
 from launch import REPO
 from test_errors import run_main
 from test_gpt import text_file  # noqa: F401 (a fixture: the README and docs as one file)
+from test_gpt_options import TINY
 from test_gpt_sample import import_gpt
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, Qwen3Config
 
@@ -220,6 +221,20 @@ def test_the_first_loss_from_a_transformers_model_is_transformers_loss(nproc, la
                                                                         tmp_path):
     """Step 1's logged loss (before its update): transformers' on the same batch (first_loss)."""
     assert first_loss(nproc, theirs, text_file, tmp_path, *layout) > 7  # a fresh gpt/ model's: about ln 256 = 5.545
+
+
+@pytest.mark.parametrize("recipe", ["finetune-gpt2", "finetune-llama-1b", "finetune-qwen3-0.6b"])
+def test_each_fine_tunes_recipe_trains_from_its_folder_at_a_tiny_size(recipe, theirs, llamas, text_file,  # noqa: F811
+                                                                      tmp_path):
+    """gpt/recipes/RECIPE.toml with the tests' folder of its family (transformers' tiny GPT-2, Llama, Qwen3), the
+    text file for data, and tests/test_gpt_options.py's tiny sizes over it: two steps from the folder's weights."""
+    folder = {"finetune-gpt2": theirs, "finetune-llama-1b": llamas["llama"], "finetune-qwen3-0.6b": llamas["qwen3"]}
+    result = torchrun_in_process(1, "gpt/train.py", "--config", str(REPO / "gpt" / "recipes" / f"{recipe}.toml"),
+                                 *TINY, "--data", str(text_file), "--vocab_size", "256", "--init_from",
+                                 str(folder[recipe]), "--out_dir", "out", cwd=tmp_path, timeout=120)
+    assert result.codes == [0] and f"| weights from {folder[recipe]}" in result.stdouts[0], result.stderr
+    assert [json.loads(line)["step"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in line] == [1, 2]
 
 
 def test_a_fine_tune_from_transformers_resumes_and_reshards_like_any_run(theirs, text_file, tmp_path):  # noqa: F811

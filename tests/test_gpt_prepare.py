@@ -109,6 +109,27 @@ def test_the_shards_hold_each_documents_ids_after_its_end_of_text_whatever_the_w
     assert f"train {len(names) - 1} shards {len(expected) - 3000:,} tokens (llm.c uint{32 if wide else 16}" in stdout
 
 
+def test_a_corpus_under_the_default_val_split_gives_a_tenth_of_itself_to_val(corpus, tmp_path):
+    """No --val_tokens and fewer tokens than its default, 131,072 (refused before: none left to train on): a tenth
+    of the stream is the val shard and the rest the train shard, said; the same bytes, and the same recorded
+    starts (where a resumed run goes on from), as a run given that tenth."""
+    expected, _ = expected_ids("test_bytes", corpus[1])
+    tenth = len(expected) // 10
+    folders = {name: tmp_path / name / "docs" for name in ("share", "given")}
+    for name, argv in (("share", []), ("given", ["--val_tokens", str(tenth)])):
+        code, stdout, stderr = run_main(prepare, *corpus[0], "--tokenizer", "test_bytes", "--out_dir",
+                                        str(folders[name]), "--workers", "1", *argv)
+        assert code == 0, stderr
+        said = f"val 1 shard {tenth:,} tokens{' (a tenth of a corpus under --val_tokens 131,072)' * (not argv)}, " \
+            f"train 1 shard {len(expected) - tenth:,} tokens"
+        assert len(expected) < 131072 and said in stdout, stdout
+    tokens = load(str(folders["share"]))
+    assert np.array_equal(np.concatenate([tokens.val[:], tokens.train[:]]), expected)
+    assert shards(folders["share"]) == shards(folders["given"])
+    starts = [[s["next"] for s in json.loads((f / "prepare.json").read_text())["shards"]] for f in folders.values()]
+    assert starts[0] == starts[1] and starts[0][0] != [0, 0], starts
+
+
 def test_an_interrupted_run_finishes_with_the_same_bytes_tokenizing_only_what_was_not_written(
         corpus, tmp_path, monkeypatch):
     """Interrupted as its third shard is written (a .tmp left behind), the same command finishes the folder: the
@@ -173,6 +194,44 @@ def test_train_py_trains_on_them_and_sample_and_hf_read_their_tokenizer(corpus, 
     assert config["eos_token_id"] == own.token_to_id("<|endoftext|>") and theirs.model_max_length == 64
 
 
+def test_a_tokenizer_trained_on_the_corpus_is_carried_by_the_shards_train_sample_and_hf(corpus, tokenizer_json,
+                                                                                       tmp_path):
+    """--train_tokenizer 400, with no network: the folder's tokenizer.json is the BPE that tokenizers' own calls
+    train on the same documents (the tokenizer_json fixture's recipe), and the shards are those of --tokenizer that
+    file, byte for byte; train.py trains on them and exports, and the tokenizer that transformers reads from hf.py's
+    folder encodes the corpus to the shards' ids."""
+    own, given = tmp_path / "own" / "docs", tmp_path / "given" / "docs"
+    code, said, stderr = run_main(prepare, *corpus[0], "--train_tokenizer", "400", "--out_dir", str(own), *SIZES)
+    assert code == 0 and "tokenizer --train_tokenizer 400, vocab 400" in said, stderr
+    assert run(corpus[0], tokenizer_json, given)[0] == 0
+    trained = Tokenizer.from_file(str(own / "tokenizer.json"))
+    assert trained.to_str() == Tokenizer.from_file(tokenizer_json).to_str() and shards(own) == shards(given)
+    result = torchrun_in_process(1, "gpt/train.py", "--data", str(own), "--max_steps", "2", "--val_tokens", "256",
+                                 "--out_dir", "run", "--export", "model.pt", cwd=tmp_path, timeout=120)
+    assert result.codes == [0], result.stderr
+    code, text, stderr = run_main(import_gpt("sample"), str(tmp_path / "model.pt"), "--prompt", "The model",
+                                  "--length", "10")
+    assert code == 0 and text.startswith("The model"), stderr
+    code, said, stderr = run_main(import_gpt("hf"), "export", str(tmp_path / "run"), str(tmp_path / "hf"))
+    assert code == 0, stderr
+    from transformers import AutoTokenizer
+    theirs, tokens = AutoTokenizer.from_pretrained(tmp_path / "hf"), load(str(own))
+    eot = theirs.convert_tokens_to_ids("<|endoftext|>")
+    encoded = [i for document in corpus[1] for i in (eot, *theirs(document, add_special_tokens=False,
+                                                                  split_special_tokens=True)["input_ids"])]  # its text
+    assert encoded == np.concatenate([tokens.val[:], tokens.train[:]]).tolist()  # "<|endoftext|>" in a text: text
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["--train_tokenizer", "256"], "--train_tokenizer 256: at least 257 ids (the 256 bytes and <|endoftext|>)"),
+    (["--train_tokenizer", "300", "--tokenizer", "gpt2"], "argument --tokenizer: not allowed with argument "
+                                                          "--train_tokenizer")])
+def test_a_tokenizer_to_train_is_refused_in_one_line_where_it_cannot_be(argv, error, corpus, tmp_path):
+    code, _, stderr = run_main(prepare, *corpus[0], *argv, "--out_dir", str(tmp_path / "out"))
+    assert code == 2 and stderr.splitlines()[-1] == f"prepare.py: error: {error}", stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_tiktoken_encoding_is_written_as_a_tokenizer_json_that_gives_its_ids(corpus, tmp_path):
     """hf.py's folder for shards that a tiktoken encoding made: AutoTokenizer's ids are tiktoken's, its special
     token keeping its id past the gap (test_bytes: ranks up to 270, end of text 300); sample.py's decoding of an id
@@ -213,7 +272,8 @@ def test_a_data_set_streams_the_same_shards_as_its_files(corpus, tmp_path, monke
 
 @pytest.mark.parametrize(("case", "error"), [
     ("offline tiktoken", "--tokenizer cl100k_base: tiktoken downloads its table on first use, which failed here: "
-                         "run once where the network is reachable, or give a tokenizer.json"),
+                         "run once where the network is reachable, give a tokenizer.json, or train one on the "
+                         "inputs: --train_tokenizer VOCAB"),
     ("offline hub", "--tokenizer someone/tokenizer: neither a file, nor a tiktoken encoding, nor a tokenizer on the "
                     "hub that could be had ("),
     ("no end of text", "no end-of-text token named '<|eot|>': name its own with --eot"),

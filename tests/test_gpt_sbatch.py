@@ -136,7 +136,7 @@ def test_slurms_signal_saves_the_step_in_flight_and_the_resubmitted_job_resumes(
     group.start(["env", "-C", str(submit), "bash", str(SBATCH), *TINY, "--max_steps", "400", "--save_every", "1000"],
                 env={**env, "SLURM_JOB_ID": job_id})
     try:
-        group.wait_for(0, "step 5 |", timeout=90)
+        group.wait_for(0, "step 5/", timeout=90)
         log = Path(env["STANDIN_LOG"]).read_text()
         assert re.search(r"srun nodes=2 kill_on_bad_exit=1 ", log), log
         tasks = [int(pid) for pid in log.split("pids=")[-1].split()]
@@ -165,7 +165,7 @@ def test_slurms_signal_saves_the_step_in_flight_and_the_resubmitted_job_resumes(
     stopped = re.search(r"stopped by SIGTERM after step (\d+): saved (\S+);", out)
     assert stopped, out[-2000:] + group.stderr(0)[-3000:]
     step = int(stopped[1])
-    last_logged = max(int(s) for s in re.findall(r"^step (\d+) \| loss", out, re.MULTILINE))
+    last_logged = max(int(s) for s in re.findall(r"^step (\d+)/\d+ \| loss", out, re.MULTILINE))
     assert step == last_logged >= 5  # the step in flight, not an older one
     assert (submit / "out" / "gpt2" / f"step_{step:08d}" / "manifest.json").is_file()
     again = sbatch(env, submit, *TINY, "--max_steps", str(step + 3), "--save_every", "1000")
