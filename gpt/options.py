@@ -121,10 +121,13 @@ def with_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     value, so the command line's win. A file that cannot be read, is not TOML, or holds a key that is no option or a
     value of the wrong type: parser.error's one line, naming the file and the key or line."""
     known = argparse.ArgumentParser(add_help=False)
-    known.add_argument("--config")
-    path = known.parse_known_args(argv)[0].config
-    if path is None:
+    known.add_argument("--config", action="append")
+    paths = known.parse_known_args(argv)[0].config
+    if paths is None:
         return argv
+    if len(paths) > 1:
+        parser.error(f"--config given {len(paths)} times ({', '.join(paths)}): give one file")
+    path = paths[0]
     try:
         with open(path, "rb") as file:
             table = tomllib.load(file)
@@ -153,23 +156,23 @@ def as_words(parser: argparse.ArgumentParser, path: str, key: str, value, action
     elif action.type is float:
         expected, ok = "a number", isinstance(value, int | float) and not isinstance(value, bool)
     else:  # a string: a name among choices, a path, "A:B"; --tensorboard's true too
-        expected, ok = "a string", isinstance(value, str) or (action.nargs == "?" and value is True)
+        expected, ok = "a string", isinstance(value, str) or (action.nargs == "?" and isinstance(value, bool))
     if ok and action.choices is not None and value not in action.choices:
         expected, ok = f"one of {', '.join(map(str, action.choices))}", False
     if not ok:
         parser.error(f"--config {path}: {key} = {json.dumps(value, default=str)}: {key} takes {expected}")
-    if action.nargs == "?" and value is True:  # --tensorboard, with no folder after it
-        return [action.option_strings[0]]
+    if action.nargs == "?" and isinstance(value, bool):  # --tensorboard, with no folder after it; false: off
+        return [action.option_strings[0]] if value else []
     if isinstance(action, argparse.BooleanOptionalAction):  # --compile or --no-compile
         return [f"--{'' if value else 'no-'}{key}"]
     if action.nargs == 0:
         return [action.option_strings[0]] if value else []
-    return [action.option_strings[0], str(value)]
+    return [f"{action.option_strings[0]}={value}"]  # one word: a value such as "-x" is not taken for an option
 
 
 def save(args: argparse.Namespace, parser: argparse.ArgumentParser, path: str) -> None:
     """The options of a run as a TOML file that --config reads back (written, then renamed over the old one)."""
-    with open(path + ".tmp", "w") as file:
+    with open(path + ".tmp", "w", encoding="utf-8") as file:
         file.write(written(args, parser))
     os.replace(path + ".tmp", path)
 
@@ -186,5 +189,5 @@ def written(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
             value = ":".join(map(str, value))
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"--{action.dest} {value} has no TOML form train.py reads back")  # refused by the parser
-        lines.append(f"{action.dest} = {json.dumps(value)}")  # JSON's strings, numbers and true are TOML's too
+        lines.append(f"{action.dest} = {json.dumps(value, ensure_ascii=False)}")  # JSON's are TOML's too
     return "\n".join(lines) + "\n"

@@ -77,8 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if bool(args.inputs) == bool(args.dataset):
         p.error("give INPUT files or folders, or --dataset, not both")
-    if args.train_tokenizer is not None and args.train_tokenizer < 257:
-        p.error(f"--train_tokenizer {args.train_tokenizer}: at least 257 ids (the 256 bytes and <|endoftext|>)")
+    if args.train_tokenizer is not None and not 257 <= args.train_tokenizer <= 1 << 20:
+        p.error(f"--train_tokenizer {args.train_tokenizer}: from 257 ids (the 256 bytes and <|endoftext|>) to "
+                f"{1 << 20:,}")
     for name in ("val_tokens", "shard_tokens", "workers"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")

@@ -62,6 +62,21 @@ def test_a_bad_config_file_is_one_line_naming_its_key_or_line(text, error, tmp_p
     assert stopped.value.code == 2 and said == [f"train.py: error: --config {path}: {error}"], said
 
 
+def test_what_a_file_may_hold_reads_back_as_given(tmp_path):
+    """A value that starts with a dash, a path of any script, a switch off (tensorboard = false), and --config
+    given twice (refused: which one would win is not obvious)."""
+    gpt_train, options = import_gpt(), import_gpt("options")
+    (tmp_path / "run.toml").write_text('out_dir = "-x ünï😀"\ntensorboard = false\nmax_steps = 3\n', encoding="utf-8")
+    args = gpt_train.parse_args(["--config", str(tmp_path / "run.toml")])
+    assert (args.out_dir, args.tensorboard, args.max_steps) == ("-x ünï😀", None, 3)
+    options.save(args, gpt_train.parser(), str(tmp_path / "written.toml"))
+    again = gpt_train.parse_args(["--config", str(tmp_path / "written.toml")])
+    assert vars(again) == {**vars(args), "config": str(tmp_path / "written.toml")}
+    with pytest.raises(SystemExit) as stopped:
+        gpt_train.parse_args(["--config", str(tmp_path / "run.toml"), "--config", str(tmp_path / "written.toml")])
+    assert stopped.value.code == 2
+
+
 def test_a_bad_config_file_under_torchrun_writes_nothing(tmp_path):
     (tmp_path / "bad.toml").write_text("max_steps = 4.5\n")
     result = torchrun_in_process(2, "gpt/train.py", "--config", "bad.toml", cwd=tmp_path, timeout=60)

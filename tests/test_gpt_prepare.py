@@ -223,7 +223,10 @@ def test_a_tokenizer_trained_on_the_corpus_is_carried_by_the_shards_train_sample
 
 
 @pytest.mark.parametrize(("argv", "error"), [
-    (["--train_tokenizer", "256"], "--train_tokenizer 256: at least 257 ids (the 256 bytes and <|endoftext|>)"),
+    (["--train_tokenizer", "256"], "--train_tokenizer 256: from 257 ids (the 256 bytes and <|endoftext|>) to "
+                                   "1,048,576"),
+    (["--train_tokenizer", str(2**32)], f"--train_tokenizer {2**32}: from 257 ids (the 256 bytes and <|endoftext|>) "
+                                        "to 1,048,576"),
     (["--train_tokenizer", "300", "--tokenizer", "gpt2"], "argument --tokenizer: not allowed with argument "
                                                           "--train_tokenizer")])
 def test_a_tokenizer_to_train_is_refused_in_one_line_where_it_cannot_be(argv, error, corpus, tmp_path):
