@@ -1,6 +1,6 @@
-"""Where train.py's records go beside OUT_DIR/metrics.jsonl, from rank 0: TensorBoard (--tensorboard [DIR], through
-torch.utils.tensorboard) and Weights & Biases (--wandb PROJECT). Each record's numbers are scalars at its step: a
-list (pp_wait, a stage each; expert_load, an expert each) as KEY/0, KEY/1, ..., a dict (pp_held) as KEY/NAME.
+"""Where train.py's records go, from rank 0: OUT_DIR/metrics.jsonl and, with --tensorboard [DIR], TensorBoard
+(through torch.utils.tensorboard). Weights & Biases is not here yet. Each record's numbers are scalars at its step:
+a list (pp_wait, a stage each) as KEY/0, KEY/1, ..., a dict (pp_held) as KEY/NAME.
 
 A resumed run logs again the steps after its checkpoint, as metrics.jsonl takes them: TensorBoard's writer starts
 with purge_step (the first step logged again), so that its reader drops what the stopped run logged from there on.
@@ -22,8 +22,8 @@ def missing(args: argparse.Namespace) -> str | None:
 
 
 def scalars(record: dict) -> dict[str, float]:
-    """A record's numbers by name, its lists and dicts spread out; its step, and values that are not numbers
-    (null: a step fp16's scaler skipped), left out."""
+    """A record's numbers by name, its lists and dicts spread out, its step and anything not a number left out (an
+    inf or nan, such as a skipped fp16 step's gradient norm, is kept: TensorBoard draws it)."""
     out = {}
     for key, value in record.items():
         parts = enumerate(value) if isinstance(value, list) else value.items() if isinstance(value, dict) else None
