@@ -204,7 +204,7 @@ def same_config(saved: dict | None, config: GPTConfig) -> bool:
 def out_dir(args: argparse.Namespace, rank: int) -> None:
     """OUT_DIR made, and tried: rank 0 makes it and writes a file there, which every rank must see (DCP writes
     each rank's shard into one folder, so OUT_DIR must be one that every rank shares: on several nodes, a shared
-    file system); --export's path tried too."""
+    file system); --export's path and --tensorboard's folder tried too."""
     problem = [None, None]  # (what is wrong, the file rank 0 wrote)
     if rank == 0:
         try:
@@ -224,6 +224,14 @@ def out_dir(args: argparse.Namespace, rank: int) -> None:
                 os.remove(probe)
             except OSError as error:  # said of --export's path: the file it would write
                 problem[0] = f"{args.export}: {error.strerror}"
+        if isinstance(args.tensorboard, str) and not problem[0]:  # its own folder: made and tried now, not at step 1
+            try:
+                os.makedirs(args.tensorboard, exist_ok=True)
+                probe = os.path.join(args.tensorboard, f".probe-{os.urandom(6).hex()}")
+                open(probe, "wb").close()
+                os.remove(probe)
+            except OSError as error:
+                problem[0] = f"--tensorboard {args.tensorboard}: {error.strerror}"
         if problem[0] and problem[1]:
             with contextlib.suppress(OSError):
                 os.remove(problem[1])

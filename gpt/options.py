@@ -113,6 +113,9 @@ def parser(description: str) -> argparse.ArgumentParser:
                                                                       "per rank to OUT_DIR/profile (Perfetto opens it)")
     p.add_argument("--tensorboard", nargs="?", const=True, metavar="DIR", help="also log every record's numbers to "
                    "TensorBoard, in DIR (default: OUT_DIR/tensorboard;\ntensorboard --logdir shows them)")
+    p.add_argument("--wandb", metavar="PROJECT", help="also log them to this Weights & Biases project, the options "
+                   "as its config;\na resume continues the run (its id in OUT_DIR/wandb_id); WANDB_MODE=offline: "
+                   "no network")
     return p
 
 
@@ -177,17 +180,23 @@ def save(args: argparse.Namespace, parser: argparse.ArgumentParser, path: str) -
     os.replace(path + ".tmp", path)
 
 
-def written(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
-    """The options of a run as TOML: every option with a value (not None, not a switch left off), --config
-    itself aside."""
-    lines = ["# gpt/train.py's options for this run: gpt/train.py --config FILE runs it again"]
+def values(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
+    """The options of a run by name: every option with a value (not None, not a switch left off), --config itself
+    aside; --profile's A:B as written."""
+    out = {}
     for action in parser._actions:
         value = getattr(args, action.dest, None)
         if not action.option_strings or action.dest in ("config", "help") or value is None or value is False:
             continue
-        if isinstance(value, tuple):  # --profile's A:B
-            value = ":".join(map(str, value))
+        out[action.dest] = ":".join(map(str, value)) if isinstance(value, tuple) else value
+    return out
+
+
+def written(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    """The options of a run (values) as TOML."""
+    lines = ["# gpt/train.py's options for this run: gpt/train.py --config FILE runs it again"]
+    for name, value in values(args, parser).items():
         if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"--{action.dest} {value} has no TOML form train.py reads back")  # refused by the parser
-        lines.append(f"{action.dest} = {json.dumps(value, ensure_ascii=False)}")  # JSON's are TOML's too
+            raise ValueError(f"--{name} {value} has no TOML form train.py reads back")  # refused by the parser
+        lines.append(f"{name} = {json.dumps(value, ensure_ascii=False)}")  # JSON's are TOML's too
     return "\n".join(lines) + "\n"

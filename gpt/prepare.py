@@ -9,10 +9,9 @@ order. A text file is one document. Each document is tokenized with an end-of-te
 Qwen3's way); with a tokenizer that has a begin-of-text token (Llama 3's <|begin_of_text|>), between that token and
 the end-of-text one (<|end_of_text|>), as torchtitan's Llama 3 data are. Then the stream is cut into llm.c's shards,
 as its fineweb.py cuts them: NAME_val_000000.bin holds the first --val_tokens tokens (131,072, or a tenth of a
-smaller corpus), NAME_train_000001.bin and on the rest, --shard_tokens each (the last shorter); NAME is --out_dir's
-last part. Their header (gpt/data.py reads
-both): magic 20240520 version 1 and uint16 ids where every id of the tokenizer fits (a vocabulary of at most
-65,536), else magic 20240801 version 7 and uint32.
+corpus under 1,310,720), NAME_train_000001.bin and on the rest, --shard_tokens each (the last shorter); NAME is
+--out_dir's last part. Their header (gpt/data.py reads both): magic 20240520 version 1 and uint16 ids where every
+id of the tokenizer fits (a vocabulary of at most 65,536), else magic 20240801 version 7 and uint32.
 
 --tokenizer: a tiktoken encoding by name (gpt2, cl100k_base, o200k_base, or one a tiktoken_ext plugin adds), or
 a Hugging Face tokenizer.json (a file, or a hub name such as openai-community/gpt2, which needs the network); or
@@ -51,7 +50,7 @@ EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")  # GPT-2 and O
 BOS_NAMES = ("<|begin_of_text|>",)  # Llama 3's: each document then begins with it and ends with the end of text
 INSTALL = "pip install -r requirements-hf.txt"
 TEXT = (".txt", ".md", ".jsonl")  # what a folder's files are read
-VAL_TOKENS = 131072  # the val shard's, by default; a corpus of at most these many gives a tenth of itself
+VAL_TOKENS = 131072  # the val shard's, by default; a corpus under ten times these many gives a tenth of itself
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--text_field", default="text", help="the field of a .jsonl line that holds its text")
     p.add_argument("--eot", help=f"the end-of-text token (default: the first of {', '.join(EOT_NAMES)} it has)")
     p.add_argument("--val_tokens", type=int, help=f"tokens in the val shard (default: {VAL_TOKENS}, or a tenth of a "
-                                                  f"corpus of at most {VAL_TOKENS} tokens)")
+                                                  f"corpus under {10 * VAL_TOKENS} tokens)")
     p.add_argument("--shard_tokens", type=int, default=10**8, help="tokens in a train shard (default: 1e8, llm.c's)")
     p.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizing processes (default: every core)")
     p.add_argument("--bench", action="store_true", help="print the tokens/s at 1 and --workers workers, and the "
@@ -387,18 +386,31 @@ def prepare(args: argparse.Namespace) -> str:
              and os.path.getsize(os.path.join(out, s["name"])) == 1024 + s["tokens"] * np.dtype(dtype).itemsize]
     record["shards"] = whole[:next((i for i, s in enumerate(whole) if s["name"] != _name(name, i)), len(whole))]
     begin, skip = record["shards"][-1]["next"] if record["shards"] else (0, 0)
-    shard, buffer, held, total = len(record["shards"]), [], 0, 0
-    val, where = args.val_tokens or VAL_TOKENS, []  # where: each piece's document and its first token's place
+    shard, total, val = len(record["shards"]), 0, args.val_tokens or VAL_TOKENS
+    held, count = [], 0  # (document, its first token's place, its ids) not yet in a shard, in order; their tokens
+    # By default the val shard waits for ten times its tokens, so that a smaller corpus gives a tenth of itself to
+    # val and the rest to train, with no step at any size.
+    share = shard == 0 and args.val_tokens is None
 
-    def flush(next_start: tuple[int, int]) -> None:
-        nonlocal shard, buffer, held, where
+    def cut(size: int, next_start: tuple[int, int]) -> None:
+        """The first `size` held tokens as the next shard; next_start: where the stream goes on if none is left."""
+        nonlocal shard, count
         if shard == 0 and "json" in tokenizer:
             with open(os.path.join(out, TOKENIZER_FILE), "w", encoding="utf-8") as file:
                 file.write(tokenizer["json"])
-        write_shard(os.path.join(out, _name(name, shard)), np.concatenate(buffer), dtype)
-        record["shards"].append({"name": _name(name, shard), "tokens": held, "next": next_start})
+        taken, left = [], size
+        while left:
+            index, at, ids = held[0]
+            taken.append(ids[:left])
+            held[0] = (index, at + len(taken[-1]), ids[len(taken[-1]):])
+            left -= len(taken[-1])
+            if not len(held[0][2]):
+                held.pop(0)
+        write_shard(os.path.join(out, _name(name, shard)), np.concatenate(taken), dtype)
+        record["shards"].append({"name": _name(name, shard), "tokens": size,
+                                 "next": held[0][:2] if held else next_start})
         _save(record, os.path.join(out, RECORD))
-        shard, buffer, held, where = shard + 1, [], 0, []
+        shard, count = shard + 1, count - size
 
     def undo() -> None:
         """What this run wrote, removed (a failure before any train shard: as if never begun)."""
@@ -414,30 +426,22 @@ def prepare(args: argparse.Namespace) -> str:
         for index, ids in tokenized(work, args.workers, tokenizer):
             bar.update(len(ids))
             at = skip if index == begin else 0
-            while at < len(ids):
-                room = (val if shard == 0 else args.shard_tokens) - held
-                piece = ids[at:at + room]
-                buffer.append(piece)
-                where.append((index, at))
-                held, at, total = held + len(piece), at + len(piece), total + len(piece)
-                if held == (val if shard == 0 else args.shard_tokens):
-                    flush((index, at) if at < len(ids) else (index + 1, 0))
+            if at < len(ids):
+                held.append((index, at, ids[at:]))
+                count, total = count + len(ids) - at, total + len(ids) - at
+            while count >= (10 * VAL_TOKENS if shard == 0 and share else val if shard == 0 else args.shard_tokens):
+                cut(val if shard == 0 else args.shard_tokens, (index + 1, 0))
             done = index + 1
     except ValueError:  # a file that is not text, a bad line: where nothing is recorded yet, nothing is left
         if not record["shards"]:
             undo()
         raise
     bar.close()
-    share = held > 1 and shard == 0 and args.val_tokens is None  # a corpus of at most VAL_TOKENS: a tenth is val's
+    share = share and shard == 0 and count > 1  # a corpus under ten times VAL_TOKENS: a tenth is val's
     if share:
-        ids, sizes, val = np.concatenate(buffer), [len(piece) for piece in buffer], max(1, held // 10)
-        before = np.cumsum([0] + sizes)  # the tokens before each piece; the train shard starts in the first past val
-        i = int(np.searchsorted(before, val, side="right")) - 1
-        rest, buffer, held = ids[val:], [ids[:val]], val
-        flush((where[i][0], where[i][1] + val - int(before[i])))
-        buffer, held = [rest], len(rest)
-    if held:
-        flush((done, 0))
+        cut(max(1, count // 10), (done, 0))
+    while count:
+        cut(min(count, val if shard == 0 else args.shard_tokens), (done, 0))
     if len(record["shards"]) < 2:  # no train shard
         count = sum(s["tokens"] for s in record["shards"])
         undo()
@@ -450,7 +454,7 @@ def prepare(args: argparse.Namespace) -> str:
     train = record["shards"][1:]
     shards = f"{len(train)} shard{'s' if len(train) > 1 else ''}"
     return (f"{out}: val 1 shard {record['shards'][0]['tokens']:,} tokens"
-            f"{f' (a tenth of a corpus under --val_tokens {VAL_TOKENS:,})' if share else ''}, train {shards} "
+            f"{f' (a tenth of a corpus under {10 * VAL_TOKENS:,} tokens)' if share else ''}, train {shards} "
             f"{sum(s['tokens'] for s in train):,} tokens ({record['format']}, tokenizer {tokenizer['name']}, vocab "
             f"{tokenizer['vocab_size']:,}); {total:,} tokens written in {seconds:.1f} s: {total / seconds:,.0f} "
             f"tokens/s on {args.workers} worker{'s' if args.workers > 1 else ''}")

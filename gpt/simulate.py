@@ -24,6 +24,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining._utils import InferenceMode, _StageMeta, extract_tensor_metas
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -94,17 +95,23 @@ class Saved(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, blocks: list[torch.nn.Module]) -> None:
         super().__init__(self.pack, lambda t: t)
-        self.blocks, self.block, self.storages = blocks, None, defaultdict(dict)
-        for i, block in enumerate(blocks):
-            block.register_forward_pre_hook(lambda *_, i=i: setattr(self, "block", i))
+        self.block, self.weights, self.storages = None, set(), defaultdict(dict)
+        for i, block in enumerate(blocks):  # a module sharded on its own inside it (the experts) gathers its own
+            for module in [m for m in block.modules() if m is block or isinstance(m, FSDPModule)]:
+                module.register_forward_pre_hook(lambda *_, i=i: self.enter(i, blocks[i]))
             block.register_forward_hook(lambda *_: setattr(self, "block", None))
+
+    def enter(self, i: int, block: torch.nn.Module) -> None:
+        """Block i's forward, or that of a module in it that FSDP shards, begins (after FSDP's hook, which gathers
+        its weights): the block's weights' storages, once each time, not at each tensor saved."""
+        self.block = i
+        self.weights = {StorageWeakRef((p.to_local() if isinstance(p, DTensor) else p).untyped_storage())
+                        for p in block.parameters()}
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if self.block is not None:
             storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
-            weights = {StorageWeakRef((p.to_local() if isinstance(p, DTensor) else p).untyped_storage())
-                       for p in self.blocks[self.block].parameters()}
-            if StorageWeakRef(storage) not in weights:
+            if StorageWeakRef(storage) not in self.weights:
                 self.storages[self.block][StorageWeakRef(storage)] = storage.nbytes()
         return t
 

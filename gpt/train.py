@@ -349,7 +349,13 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
             print(f"no mfu: the peak of {torch.cuda.get_device_name(device)} is not known; give --peak_tflops",
                   flush=True)
     first_step = resume(args, checkpoints, parts, optimizers, scaler, config, rank)
-    metrics = trackers.Trackers(args, first_step) if rank == 0 else None  # metrics.jsonl, TensorBoard
+    metrics, problem = None, None  # rank 0's metrics.jsonl, TensorBoard, W&B
+    if rank == 0:
+        try:
+            metrics = trackers.Trackers(args, first_step, {**options.values(args, parser()), "ranks": world_size})
+        except ValueError as error:  # W&B's: no API key, say
+            problem = str(error)
+    checks.agree(problem)
     if rank == 0:  # what this run resolved, once it is OUT_DIR's run: --config OUT_DIR/config.toml reruns it
         options.save(args, parser(), os.path.join(args.out_dir, "config.toml"))
     if isinstance(model, DDP) and first_step < args.max_steps:
@@ -487,7 +493,7 @@ def train_steps(args: argparse.Namespace, config: GPTConfig, tokens: data.Tokens
         gc.enable()
         gc.unfreeze()
         if metrics:
-            metrics.close()
+            metrics.close(failed=sys.exc_info()[0] is not None)  # W&B marks the run failed
     return model
 
 

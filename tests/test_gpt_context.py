@@ -13,24 +13,25 @@ from test_gpt import ARGV, FOLDERS, SPLITS, assert_same_training, import_gpt, ru
 
 from gpt.model import GPT
 
-# (--parallel, ranks, --batch_size, --grad_accum, more): 12 sequences of 32 tokens a step, as SPLITS; each method at
+# (--parallel, ranks, --batch_size, --grad_accum, more): 12 sequences of 32 tokens a step, as SPLITS, in micro-batches
+# of 6 but under pp (a cp or tp rank's collectives are many and small: each micro-batch costs); each method at
 # cp 2 and at cp 3 or 4, with tp 2 and with pp 2, with both families (tiny: GPT-2's learned positions, 2 heads;
 # llama-tiny and qwen3-tiny: rotary, 4 q heads on 2 k and v heads, which ulysses repeats at cp 4, and at cp 2 under
 # tp 2); fsdp 2 × cp 2 (shard and cp both above 1): the checkpoint test's run, against one process's
 context = import_gpt("context")  # gpt/context.py, which imports gpt/model.py as `model`
 positions, ring_attention = context.positions, context.ring_attention
 LAYOUTS = {
-    "tiny": [("fsdp", 2, 2, 6, "--cp", "2"), ("fsdp", 4, 2, 6, "--cp", "4"),
-             ("fsdp", 2, 2, 6, "--cp", "2", "--cp_method", "ulysses"),
-             ("fsdp", 4, 2, 6, "--cp", "4", "--cp_method", "ring", "--activation_checkpoint", "selective"),
-             ("fsdp", 4, 2, 6, "--cp", "2", "--tp", "2", "--cp_method", "ring"),
+    "tiny": [("fsdp", 2, 6, 2, "--cp", "2"), ("fsdp", 4, 6, 2, "--cp", "4"),
+             ("fsdp", 2, 6, 2, "--cp", "2", "--cp_method", "ulysses"),
+             ("fsdp", 4, 6, 2, "--cp", "4", "--cp_method", "ring", "--activation_checkpoint", "selective"),
+             ("fsdp", 4, 6, 2, "--cp", "2", "--tp", "2", "--cp_method", "ring"),
              ("fsdp", 4, 2, 6, "--cp", "2", "--pp", "2", "--cp_method", "ulysses")],
     "llama-tiny": [("hsdp", 4, 3, 2, "--shard_size", "1", "--cp", "2", "--activation_checkpoint", "full"),
-                   ("fsdp", 4, 2, 6, "--cp", "4", "--cp_method", "ulysses"),
-                   ("fsdp", 4, 2, 6, "--cp", "4", "--cp_method", "ring", "--activation_checkpoint", "full"),
-                   ("fsdp", 4, 2, 6, "--cp", "2", "--tp", "2", "--cp_method", "ulysses"),
+                   ("fsdp", 4, 6, 2, "--cp", "4", "--cp_method", "ulysses"),
+                   ("fsdp", 4, 6, 2, "--cp", "4", "--cp_method", "ring", "--activation_checkpoint", "full"),
+                   ("fsdp", 4, 6, 2, "--cp", "2", "--tp", "2", "--cp_method", "ulysses"),
                    ("fsdp", 4, 2, 6, "--cp", "2", "--pp", "2")],
-    "qwen3-tiny": [("fsdp", 3, 2, 6, "--cp", "3", "--seq_len", "36"), ("fsdp", 4, 2, 6, "--cp", "2", "--tp", "2"),
+    "qwen3-tiny": [("fsdp", 3, 6, 2, "--cp", "3", "--seq_len", "36"), ("fsdp", 4, 6, 2, "--cp", "2", "--tp", "2"),
                    ("fsdp", 4, 2, 6, "--cp", "2", "--pp", "2", "--cp_method", "ring")],
 }
 
@@ -90,8 +91,8 @@ def test_a_checkpoint_at_cp_2_resumes_at_cp_4_and_in_one_process(tmp_path):
     runs = {}
     for name, nproc, more in (("whole", 4, ["--parallel", "fsdp", "--cp", "2", "--batch_size", "2", "--grad_accum",
                                             "3"]),
-                              ("cp4", 4, ["--parallel", "fsdp", "--cp", "4", "--batch_size", "2", "--grad_accum", "6"]),
-                              ("one", 1, ["--batch_size", "2", "--grad_accum", "6"])):
+                              ("cp4", 4, ["--parallel", "fsdp", "--cp", "4", "--batch_size", "6", "--grad_accum", "2"]),
+                              ("one", 1, ["--batch_size", "6", "--grad_accum", "2"])):
         folder = tmp_path / name
         folder.mkdir()
         if name != "whole":

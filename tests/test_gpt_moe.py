@@ -188,12 +188,13 @@ def test_the_published_moe_shapes_have_transformers_parameter_counts():
 # ---------------------------------------------------------------------------------------------------------------
 # Layouts against one process
 
-LAYOUTS = {  # (--parallel, ranks, --batch_size, --grad_accum, more): 12 sequences a step, micro-batches of 2 or 1
+# (--parallel, ranks, --batch_size, --grad_accum, more): 12 sequences a step, micro-batches of 2 or 1, of 6 under tp
+LAYOUTS = {
     "moe-tiny": [("ddp", 2, 2, 3), ("fsdp", 3, 2, 2), ("hsdp", 4, 1, 3), ("fsdp", 2, 2, 3, "--ep", "2"),
                  ("fsdp", 4, 1, 3, "--ep", "4"), ("hsdp", 4, 1, 3, "--shard_size", "2", "--ep", "2"),
-                 ("fsdp", 2, 2, 6, "--tp", "2"), ("fsdp", 2, 2, 6, "--pp", "2"),
+                 ("fsdp", 2, 6, 2, "--tp", "2"), ("fsdp", 2, 2, 6, "--pp", "2"),
                  ("fsdp", 4, 2, 3, "--pp", "2", "--ep", "2"), ("fsdp", 4, 2, 6, "--pp", "2", "--tp", "2"),
-                 ("fsdp", 4, 2, 6, "--cp", "2", "--tp", "2", "--cp_method", "ring"),
+                 ("fsdp", 4, 6, 2, "--cp", "2", "--tp", "2", "--cp_method", "ring"),
                  ("fsdp", 4, 2, 3, "--cp", "2", "--ep", "2")],
     "moe-mini": [("fsdp", 2, 2, 3), ("hsdp", 4, 1, 3), ("fsdp", 4, 1, 3, "--ep", "2")],
     # moe-mini's options on moe-tiny's width (moe-mini under tp or pp parts from one process by more than the
@@ -201,7 +202,7 @@ LAYOUTS = {  # (--parallel, ranks, --batch_size, --grad_accum, more): 12 sequenc
     # fsdp's, as llama-mini's under tp: rounding that Adam magnifies until a token's choice flips): 4 blocks, the
     # dense first, the shared expert, sigmoid scores, the bias; a V schedule's 4 stages, the first all dense
     # (fsdp 4 × tp 2 × ep 2 with these options alone, and tp 2 with moe-tiny's alone: the suite's budget)
-    "deepseek-tiny": [("fsdp", 4, 2, 3, "--tp", "2", "--ep", "2"),
+    "deepseek-tiny": [("fsdp", 4, 6, 1, "--tp", "2", "--ep", "2"),
                       ("fsdp", 2, 2, 6, "--pp", "2", "--pp_schedule", "ZBVZeroBubble"), ("fsdp", 3, 2, 6, "--pp", "3"),
                       ("fsdp", 4, 2, 6, "--cp", "2", "--pp", "2", "--cp_method", "ulysses"),
                       ("fsdp", 2, 2, 6, "--cp", "2", "--ep", "2")],

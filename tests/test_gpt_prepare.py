@@ -120,7 +120,7 @@ def test_a_corpus_under_the_default_val_split_gives_a_tenth_of_itself_to_val(cor
         code, stdout, stderr = run_main(prepare, *corpus[0], "--tokenizer", "test_bytes", "--out_dir",
                                         str(folders[name]), "--workers", "1", *argv)
         assert code == 0, stderr
-        said = f"val 1 shard {tenth:,} tokens{' (a tenth of a corpus under --val_tokens 131,072)' * (not argv)}, " \
+        said = f"val 1 shard {tenth:,} tokens{' (a tenth of a corpus under 1,310,720 tokens)' * (not argv)}, " \
             f"train 1 shard {len(expected) - tenth:,} tokens"
         assert len(expected) < 131072 and said in stdout, stdout
     tokens = load(str(folders["share"]))
@@ -128,6 +128,22 @@ def test_a_corpus_under_the_default_val_split_gives_a_tenth_of_itself_to_val(cor
     assert shards(folders["share"]) == shards(folders["given"])
     starts = [[s["next"] for s in json.loads((f / "prepare.json").read_text())["shards"]] for f in folders.values()]
     assert starts[0] == starts[1] and starts[0][0] != [0, 0], starts
+
+
+def test_the_default_val_split_has_no_step_at_any_size(tmp_path):
+    """Around 131,072 tokens (a cliff before: exactly that many refused, one more gave one train token) a tenth is
+    val's; from ten times that on, val holds 131,072, and the bytes are --val_tokens 131072's."""
+    text = " ".join(f"w{i % 997}" for i in range(26_900))  # about 131,500 test_bytes tokens
+    for name, copies, argv in (("small", 1, []), ("large", 11, []), ("given", 11, ["--val_tokens", "131072"])):
+        (tmp_path / f"{name}.txt").write_text("\n".join([text] * copies))
+        code, stdout, stderr = run_main(prepare, str(tmp_path / f"{name}.txt"), "--tokenizer", "test_bytes",
+                                        "--out_dir", str(tmp_path / name / "docs"), "--workers", "1", *argv)
+        assert code == 0, stderr
+        tokens = load(str(tmp_path / name / "docs"))
+        count = len(tokens.val) + len(tokens.train)
+        assert len(tokens.val) == (count // 10 if name == "small" else 131072), (name, count, len(tokens.val))
+        assert 130_000 < count < 140_000 if name == "small" else count > 10 * 131072
+    assert shards(tmp_path / "large" / "docs") == shards(tmp_path / "given" / "docs")
 
 
 def test_an_interrupted_run_finishes_with_the_same_bytes_tokenizing_only_what_was_not_written(
